@@ -1,0 +1,33 @@
+# Odyssey: `make demo` and `make test` are all a fresh machine needs.
+.PHONY: setup demo test test-fast lint bench clean-sandboxes
+VENV := .venv
+PY := $(VENV)/bin/python
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export RAY_AUTH_MODE ?= disabled
+export PYTHONUNBUFFERED := 1
+
+setup:
+	@bash scripts/setup.sh
+
+## The main job: a tiny end-to-end run on CPU with real Docker sandboxes.
+demo: setup
+	$(VENV)/bin/odyssey rollout configs/tiny.yaml --episodes 32
+
+## The whole suite, heavy tests (docker, ray, vllm, slow) included.
+test: setup
+	$(VENV)/bin/pytest -q --durations=15
+
+## Pure-Python/numerics only (no Docker, Ray, vLLM): the inner loop while developing.
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not docker and not ray and not vllm and not slow"
+
+lint:
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+## Remove every Odyssey sandbox container on this host (the reaper does this for dead owners).
+clean-sandboxes:
+	$(VENV)/bin/odyssey sandbox gc --all

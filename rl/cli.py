@@ -1,0 +1,56 @@
+"""`odyssey` - the command-line entry point.
+
+Each command group lives with the code it drives; this file only dispatches:
+
+    odyssey config show FILE [k=v ...]        -> rl.config.cli_main
+    odyssey model params --preset NAME        -> model.count.cli_main
+    odyssey sandbox build|ls|gc ...           -> sandbox.image.cli_main
+    odyssey envs list                         -> envs.registry.cli_main
+    odyssey rollout CONFIG --episodes N       -> rl.rollout.cli.cli_main
+
+Imports are lazy so `odyssey --help` answers instantly and one broken group cannot break the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: group -> (module, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "rollout": ("rl.rollout.cli", "cli_main", "run agent episodes in Docker sandboxes and store scored trajectories"),
+    "config": ("rl.config", "cli_main", "show a run config resolved with overrides: config show FILE [k=v ...]"),
+    "model": ("model.count", "cli_main", "model tools: model params --preset tiny|small|k3 [--json]"),
+    "sandbox": ("sandbox.image", "cli_main", "sandbox image and containers: sandbox build|ls|gc"),
+    "envs": ("envs.registry", "cli_main", "environments: envs list"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: odyssey <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "Run `odyssey <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help", "help"}:
+        print(_usage())
+        return 0
+    group, rest = argv[0], argv[1:]
+    if group not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(group, COMMANDS, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        print(f"odyssey: unknown command '{group}'.{hint}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name, _ = COMMANDS[group]
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Shared fixtures. Heavy components are real (Docker, Ray, vLLM); their fixtures are session-scoped."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    """A real local Ray cluster for the whole test session, in its own temp dir."""
+    import ray
+
+    tmp = tmp_path_factory.mktemp("ray")
+    # Ray's socket paths must stay short (AF_UNIX limit ~107 bytes).
+    short = f"/tmp/ray_odyssey_{os.getpid()}"
+    os.makedirs(short, exist_ok=True)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        _temp_dir=short,
+        logging_level="WARNING",
+        runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.getcwd()}},
+    )
+    yield tmp
+    ray.shutdown()
