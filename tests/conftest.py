@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+pytest_plugins = ["tests.sandbox_fixtures"]
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -1,0 +1,111 @@
+"""`arith`: multi-step arithmetic with a calculator that runs in the sandbox.
+
+    env = envs.make("arith", difficulty=1)     # "Compute (3+4)*2."
+    tools: calc(expression) -> value, answer(value) -> ends the episode (success 1.0 / 0.0)
+
+Sub-goals are the intermediate results `step1..stepN` (stepN is the answer): one is achieved when a
+calc result (or a correct answer) equals it, earliest unachieved step first. `calc` runs
+`envs/sandbox_scripts/calc.py` with `python3` in the sandbox: it walks the expression's AST and
+allows only numbers and arithmetic operators, so nothing the model writes is run as code. With
+`use_sandbox=False` the same evaluator runs in-process (for Docker-free smoke runs and SFT data).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from envs.base import ToolEnv
+from envs.sandbox_scripts import calc as calc_script
+from envs.sandbox_scripts import script_source
+from envs.tasks.arith import ArithConfig, ArithTask, generate, oracle_actions, resolve_config
+from envs.tools import ToolError, tool
+
+
+class ArithEnv(ToolEnv):
+    """Multi-step arithmetic. Args: difficulty (0-3, see envs.tasks.arith.DIFFICULTIES), config
+    (ArithConfig field overrides), use_sandbox (run calc in the sandbox; default True), calc_timeout_s,
+    and the ToolEnv arguments (max_turns, sandbox_pool, ...)."""
+
+    env_id = "arith"
+    uses_sandbox = True
+    default_max_turns = 8
+    instructions = "Solve the arithmetic task. Use calc to compute, then give the result with answer."
+
+    def __init__(
+        self,
+        difficulty: int = 0,
+        config: dict[str, Any] | None = None,
+        use_sandbox: bool = True,
+        calc_timeout_s: float = 5.0,
+        *,
+        max_turns: int | None = None,
+        sandbox_pool: Any | None = None,
+        tools_in_prompt: bool = True,
+    ) -> None:
+        super().__init__(max_turns=max_turns, sandbox_pool=sandbox_pool, tools_in_prompt=tools_in_prompt)
+        resolve_config(difficulty, config)  # fail fast on bad settings
+        self.difficulty, self.config_overrides = difficulty, dict(config or {})
+        self.uses_sandbox = use_sandbox
+        self.calc_timeout_s = calc_timeout_s
+        self._script = script_source("calc")
+
+    def task_config(self, options: dict[str, Any]) -> ArithConfig:
+        return resolve_config(int(options.get("difficulty", self.difficulty)), self.config_overrides)
+
+    def generate_task(self, seed: int, options: dict[str, Any]) -> ArithTask:
+        return generate(seed, self.task_config(options))
+
+    def oracle_actions(self) -> list[str]:
+        """The scripted perfect policy's turns for the current task."""
+        return oracle_actions(self.task)
+
+    def _credit(self, value: float) -> None:
+        for i, target in enumerate(self.task.intermediates):
+            name = f"step{i + 1}"
+            if name not in self.achieved_subgoals and math.isclose(value, target, rel_tol=0, abs_tol=1e-9):
+                self.achieve(name)
+                return
+
+    @tool
+    async def calc(self, expression: str) -> str:
+        """Evaluate an arithmetic expression with + - * / // % ** and parentheses.
+
+        Args:
+            expression: the expression, e.g. "(3+4)*2".
+        """
+        if not self.uses_sandbox:
+            try:
+                value = calc_script.evaluate(expression)
+            except ZeroDivisionError:
+                raise ToolError("division by zero") from None
+            except (ValueError, OverflowError, TypeError, RecursionError) as err:
+                raise ToolError(str(err)) from None
+            text = str(value)
+        else:
+            res = await self.sandbox.aexec(
+                ["python3", "-c", self._script], timeout_s=self.calc_timeout_s, stdin=expression.encode()
+            )
+            if res.timed_out:
+                raise ToolError(f"calc timed out after {self.calc_timeout_s:g} s")
+            text = res.stdout.strip()
+            if res.exit_code != 0:
+                raise ToolError(text.removeprefix("error: ") or f"calc failed: {res.stderr.strip()[-300:]}")
+        try:
+            self._credit(float(text))
+        except ValueError:
+            pass
+        return text
+
+    @tool
+    def answer(self, value: float) -> str:
+        """Submit the final result; this ends the episode.
+
+        Args:
+            value: the value of the whole expression.
+        """
+        correct = math.isclose(value, self.task.answer, rel_tol=0, abs_tol=1e-6)
+        if correct:
+            self.achieve(f"step{len(self.task.intermediates)}")
+        self.finish(1.0 if correct else 0.0)
+        return "correct" if correct else "incorrect"

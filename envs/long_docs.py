@@ -1,0 +1,149 @@
+"""`long-docs`: answer a question whose facts are buried in a large synthetic document set.
+
+    env = envs.make("long-docs", difficulty=2)     # 64 docs x 1000 lines, ~1.4M tokens of text
+    tools: list_docs(page), read_doc(name, page), grep(pattern, page), answer(code)
+
+The documents are written into the sandbox's /work/docs at reset (one tar archive, unpacked there);
+the tools run `envs/sandbox_scripts/docs.py` with python3 and page their output
+(`page_lines`, `grep_page_matches`, `list_page_docs`). Sub-goals: `found_location` when a tool output
+shows the fact placing the artifact in its vault, `found_code` when one shows that vault's code.
+`answer(code)` ends the episode with success 1.0 / 0.0. Trajectory length scales with the config:
+a policy reading everything (`envs.tasks.long_docs.reader_actions`) sees the whole set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import tarfile
+from typing import Any
+
+from envs.base import ToolEnv
+from envs.sandbox_scripts import script_source
+from envs.tasks.long_docs import LongDocsConfig, LongDocsTask, generate, oracle_actions, resolve_config
+from envs.tools import ToolError, tool
+
+DOCS_DIR = "/work/docs"
+
+
+def _tar(docs: dict[str, str]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, text in docs.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o444
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+class LongDocsEnv(ToolEnv):
+    """Args: difficulty (0-3, see envs.tasks.long_docs.DIFFICULTIES), config (LongDocsConfig overrides:
+    num_docs, lines_per_doc, words_per_line, num_vaults, page_lines, grep_page_matches, list_page_docs),
+    tool_timeout_s, and the ToolEnv arguments."""
+
+    env_id = "long-docs"
+    uses_sandbox = True
+    default_max_turns = 40
+    instructions = (
+        "Answer the question using the documents. Search them with grep, read pages with read_doc, "
+        "and give the final code with answer."
+    )
+
+    def __init__(
+        self,
+        difficulty: int = 0,
+        config: dict[str, Any] | None = None,
+        tool_timeout_s: float = 20.0,
+        *,
+        max_turns: int | None = None,
+        sandbox_pool: Any | None = None,
+        tools_in_prompt: bool = True,
+    ) -> None:
+        super().__init__(max_turns=max_turns, sandbox_pool=sandbox_pool, tools_in_prompt=tools_in_prompt)
+        resolve_config(difficulty, config)
+        self.difficulty, self.config_overrides = difficulty, dict(config or {})
+        self.tool_timeout_s = tool_timeout_s
+        self._script = script_source("docs")
+
+    def task_config(self, options: dict[str, Any]) -> LongDocsConfig:
+        return resolve_config(int(options.get("difficulty", self.difficulty)), self.config_overrides)
+
+    def generate_task(self, seed: int, options: dict[str, Any]) -> LongDocsTask:
+        return generate(seed, self.task_config(options))
+
+    def oracle_actions(self) -> list[str]:
+        return oracle_actions(self.task)
+
+    async def setup(self) -> None:
+        archive = await asyncio.to_thread(_tar, self.task.docs)
+        await self.sandbox.awrite_file("/work/docs.tar", archive)
+        cmd = f"mkdir -p {DOCS_DIR} && tar -xf /work/docs.tar -C {DOCS_DIR} && rm /work/docs.tar"
+        res = await self.sandbox.aexec(["sh", "-c", cmd], timeout_s=60)
+        if res.exit_code != 0:
+            # the sandbox cannot hold the documents: an infrastructure problem, not the agent's
+            from sandbox.errors import SandboxError
+
+            raise SandboxError(
+                f"long-docs setup failed to unpack documents: {res.stdout}{res.stderr}".strip()
+            )
+
+    async def _docs(self, *args: str) -> str:
+        res = await self.sandbox.aexec(
+            ["python3", "-c", self._script, DOCS_DIR, *args], timeout_s=self.tool_timeout_s
+        )
+        if res.timed_out:
+            raise ToolError(f"timed out after {self.tool_timeout_s:g} s (simplify the pattern)")
+        out = res.stdout.rstrip("\n")
+        if res.truncated:
+            out += "\n[output truncated by the sandbox's output limit: ask for a smaller page]"
+        if res.exit_code != 0:
+            raise ToolError(out.removeprefix("error: ") or res.stderr.strip()[-300:])
+        task: LongDocsTask = self.task
+        if task.location_fact.text in out:
+            self.achieve("found_location")
+        if task.code_fact.text in out:
+            self.achieve("found_code")
+        return out
+
+    @tool
+    async def list_docs(self, page: int = 1) -> str:
+        """List the documents with their sizes.
+
+        Args:
+            page: page of the listing, starting at 1.
+        """
+        return await self._docs("list", str(page), str(self.task.config.list_page_docs))
+
+    @tool
+    async def read_doc(self, name: str, page: int = 1) -> str:
+        """Read one page of a document (lines are numbered).
+
+        Args:
+            name: document name from list_docs, e.g. "doc_000.txt".
+            page: page number, starting at 1.
+        """
+        if "/" in name or name.startswith("."):
+            raise ToolError(f"bad document name {name!r}: use a name from list_docs, e.g. doc_000.txt")
+        return await self._docs("read", name, str(page), str(self.task.config.page_lines))
+
+    @tool
+    async def grep(self, pattern: str, page: int = 1) -> str:
+        """Search all documents for lines matching a regular expression (case-insensitive).
+
+        Args:
+            pattern: Python regular expression, e.g. "jade compass".
+            page: page of the matches, starting at 1.
+        """
+        return await self._docs("grep", pattern, str(page), str(self.task.config.grep_page_matches))
+
+    @tool
+    def answer(self, code: int) -> str:
+        """Give the final answer; this ends the episode.
+
+        Args:
+            code: the 4-digit access code.
+        """
+        correct = code == self.task.code
+        self.finish(1.0 if correct else 0.0)
+        return "correct" if correct else "incorrect"

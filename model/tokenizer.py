@@ -1,0 +1,346 @@
+"""Odyssey's tokenizer: a small byte-level BPE with a ChatML-style chat template and tool-call tokens.
+
+Built deterministically with `tokenizers` from the text corpus shipped in `model/assets/corpus/`, and saved as
+a `transformers.PreTrainedTokenizerFast` in `model/assets/tokenizer/` (committed; rebuild with
+`python -m model.tokenizer build`, check with `python -m model.tokenizer build --check`).
+
+Vocabulary (ids are stable: specials first, then the 256 byte symbols, then merges; total <= 4096):
+
+    special (dropped by decode(skip_special_tokens=True)):
+        0 <|pad|>   1 <|bos|>   2 <|eos|>   3 <|im_start|>   4 <|im_end|>
+    markup (added tokens that are NOT special, so decoded text keeps them and tool calls survive):
+        5 <tool_call>   6 </tool_call>   7 <tool_response>   8 </tool_response>
+        9 <image>   10 <think>   11 </think>   12..15 <|reserved_0|>..<|reserved_3|>
+
+Every byte is in the vocabulary, so there is no UNK token and `decode(encode(s)) == s` for any string
+(decode with `skip_special_tokens=False` when `s` itself contains special-token text).
+
+Pre-tokenization: (1) every "\\n" is its own piece, (2) a GPT-4-like regex splits the rest with digits one by
+one (so arithmetic never sees multi-digit merges), (3) bytes are mapped to the GPT-2 byte alphabet.
+Because no regex branch crosses a newline and special tokens are cut out before any of this, the text
+between two turn boundaries (a newline or a special token) is tokenized exactly as it would be on its own.
+
+Chat format (the template in `CHAT_TEMPLATE`; messages are {"role": "system"|"user"|"assistant"|"tool",
+"content": str | None | [{"type": "text", "text": ...} | {"type": "image"}]}):
+
+    <|bos|>                                                        once, at the very start
+    <|im_start|>system\\n{system}\\n\\n# Tools ...<tools>\\n{schema}...</tools>...<|im_end|>\\n   with tools
+    <|im_start|>system\\n{content}<|im_end|>\\n
+    <|im_start|>user\\n{content}<|im_end|>\\n
+    <|im_start|>assistant\\n{content}<|im_end|>\\n                    content verbatim, tool calls
+                                                                   inline as <tool_call>{json}</tool_call>
+    <|im_start|>tool\\n<tool_response>{content}</tool_response><|im_end|>\\n
+    <|im_start|>assistant\\n                                          generation prompt
+
+Tool calls inside assistant content: <tool_call>{"name": <tool-name>, "arguments": {...}}</tool_call>.
+
+The model's turn ends with END_OF_TURN ("<|im_end|>"); the newline after it belongs to the next piece of
+the conversation. Invariant the rollout relies on (tested in tests/test_tokenizer.py, for any content):
+
+    encode_chat(conv + [assistant(c)] + new, add_generation_prompt=g)
+        == encode_chat(conv, add_generation_prompt=True) + encode(c) + [id(END_OF_TURN)]
+           + encode_continuation(tok, new, add_generation_prompt=g)
+
+where encode(c) = tok.encode(c, add_special_tokens=False). So a rollout keeps the exact sampled ids of a turn,
+appends the END_OF_TURN id when generation stopped on it (or appends it itself when the turn was cut by
+max_new_tokens), then appends encode_continuation(observations) and samples the next turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import functools
+import json
+import re
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerFast
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+CORPUS_DIR = ASSETS_DIR / "corpus"
+TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
+
+VOCAB_SIZE = 4096  # upper bound, including special tokens and the 256 byte symbols (= tiny preset vocab_size)
+MIN_FREQUENCY = 2  # a pair must occur at least twice in the corpus to become a merge
+MODEL_MAX_LENGTH = 1 << 20  # 1M-token trajectories are in scope; silences length warnings
+
+PAD = "<|pad|>"
+BOS = "<|bos|>"
+EOS = "<|eos|>"
+IM_START = "<|im_start|>"
+END_OF_TURN = "<|im_end|>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+TOOL_RESPONSE_START = "<tool_response>"
+TOOL_RESPONSE_END = "</tool_response>"
+IMAGE = "<image>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+RESERVED = [f"<|reserved_{i}|>" for i in range(4)]
+
+#: Control tokens: dropped by decode(skip_special_tokens=True).
+SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, END_OF_TURN]
+#: Single-id markup tokens that stay visible in decoded text (the env parses tool calls from it).
+MARKUP_TOKENS = [
+    TOOL_CALL_START,
+    TOOL_CALL_END,
+    TOOL_RESPONSE_START,
+    TOOL_RESPONSE_END,
+    IMAGE,
+    THINK_START,
+    THINK_END,
+]
+ALL_ADDED_TOKENS = SPECIAL_TOKENS + MARKUP_TOKENS + RESERVED
+
+#: Split pattern applied after newlines have been isolated. Contractions, words with one optional leading
+#: non-letter (" the", ".py"), single digits, punctuation runs, whitespace. No branch can match "\n".
+SPLIT_PATTERN = r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# Jinja, rendered by transformers' sandboxed environment. Every tag strips the whitespace around it and
+# every literal is a string expression, so the layout below never leaks into the output and content is
+# emitted verbatim (no trimming: the assistant-turn invariant depends on it).
+CHAT_TEMPLATE = r"""
+{%- macro render_content(content) -%}
+    {%- if content is none -%}
+    {%- elif content is string -%}{{- content -}}
+    {%- else -%}
+        {%- for part in content -%}
+            {%- if part['type'] == 'text' -%}{{- part['text'] -}}
+            {%- elif part['type'] == 'image' -%}{{- '<image>' -}}
+            {%- else -%}{{- raise_exception('unsupported content part type ' ~ part['type'] ~ ' (use text or image)') -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{{- bos_token -}}
+{%- set ns = namespace(start=0) -%}
+{%- if tools -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if messages and messages[0]['role'] == 'system' -%}
+        {{- render_content(messages[0]['content']) + '\n\n' -}}
+        {%- set ns.start = 1 -%}
+    {%- endif -%}
+    {{- '# Tools\n\nYou may call one or more tools. Their signatures are JSON schemas within <tools></tools>:\n<tools>' -}}
+    {%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
+    {{- '\n</tools>\n\nTo call a tool, write a JSON object with the tool name and its arguments within <tool_call></tool_call> tags:\n' -}}
+    {{- '<tool_call>{"name": <tool-name>, "arguments": <args-json-object>}</tool_call>\n' -}}
+    {{- 'Each result comes back as a tool message within <tool_response></tool_response> tags.<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages[ns.start:] -%}
+    {%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}
+        {{- raise_exception('unknown chat role ' ~ message['role'] ~ ' (use system, user, assistant or tool)') -}}
+    {%- endif -%}
+    {%- if message.get('tool_calls') -%}
+        {{- raise_exception('the tool_calls field is not supported: put tool calls inline in the assistant content as <tool_call>{...}</tool_call>') -}}
+    {%- endif -%}
+    {%- if message['role'] == 'tool' -%}
+        {{- '<|im_start|>tool\n<tool_response>' + render_content(message['content']) + '</tool_response><|im_end|>\n' -}}
+    {%- else -%}
+        {{- '<|im_start|>' + message['role'] + '\n' + render_content(message['content']) + '<|im_end|>\n' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
+""".strip()  # noqa: E501
+
+# Fixed stand-in for "the conversation so far" used by encode_continuation: the template renders every
+# message after the first independently of what came before, so any prefix gives the same suffix.
+_PREFIX = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _corpus_texts(corpus_dir: Path) -> list[str]:
+    """Corpus files' text, cut at added-token strings (those are single ids; merges must not span them)."""
+    files = sorted(corpus_dir.glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"no *.txt corpus files in {corpus_dir}; the corpus ships with the repo")
+    cut = re.compile("|".join(re.escape(t) for t in ALL_ADDED_TOKENS))
+    return [piece for f in files for piece in cut.split(f.read_text(encoding="utf-8")) if piece]
+
+
+def build_tokenizer(out_dir: Path | str = TOKENIZER_DIR, corpus_dir: Path | str = CORPUS_DIR) -> Path:
+    """Train the byte-level BPE on `corpus_dir/*.txt` and save a PreTrainedTokenizerFast to `out_dir`.
+
+    Deterministic: the same corpus gives byte-identical files (BPE merge ties are broken by pair id).
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out_dir, corpus_dir = Path(out_dir), Path(corpus_dir)
+    texts = _corpus_texts(corpus_dir)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=MIN_FREQUENCY,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in ALL_ADDED_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+
+    # The trainer registers every added token as special; markup tokens must survive
+    # decode(skip_special_tokens=True), so flip their flag in the serialized form.
+    state = json.loads(tok.to_str())
+    for entry in state["added_tokens"]:
+        entry["special"] = entry["content"] not in MARKUP_TOKENS
+    tok = Tokenizer.from_str(json.dumps(state))
+
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if vocab > VOCAB_SIZE:
+        raise AssertionError(f"vocab {vocab} exceeds {VOCAB_SIZE}")
+    for i, t in enumerate(ALL_ADDED_TOKENS):
+        if tok.token_to_id(t) != i:
+            raise AssertionError(f"added token {t} got id {tok.token_to_id(t)}, expected {i}")
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        extra_special_tokens=[IM_START, END_OF_TURN, *RESERVED],
+        model_max_length=MODEL_MAX_LENGTH,
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:
+    """Load the shipped tokenizer (cached: treat the returned object as read-only; deepcopy to modify)."""
+    path = Path(path) if path is not None else TOKENIZER_DIR
+    if not (path / "tokenizer.json").exists():
+        raise FileNotFoundError(f"no tokenizer.json in {path}; build it: `python -m model.tokenizer build`")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    if tok.chat_template is None:
+        raise ValueError(f"{path} has no chat template; rebuild it with `python -m model.tokenizer build`")
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chat helpers (the rollout uses these; see the invariant in the module docstring)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_messages(messages: Sequence[dict[str, Any]]) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"message {i} has unknown role {m['role']!r}; use one of {', '.join(ROLES)}")
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> str:
+    """The chat template applied to `messages` (and tool JSON schemas), as text."""
+    _check_messages(messages)
+    return tokenizer.apply_chat_template(
+        list(messages),
+        tools=list(tools) if tools else None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+    )
+
+
+def encode_chat(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> list[int]:
+    """Token ids of `render_chat(...)` (the template already holds BOS; nothing else is added)."""
+    text = render_chat(tokenizer, messages, tools, add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_continuation(
+    tokenizer: PreTrainedTokenizerFast,
+    new_messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Ids the full template produces for `new_messages` right after an assistant turn's END_OF_TURN token.
+
+    Starts with the newline that follows END_OF_TURN, then one rendered turn per message, then (optionally)
+    the generation prompt "<|im_start|>assistant\\n". Exact because the preceding text ends in a special
+    token, which the tokenizer always cuts out before pre-tokenization.
+    """
+    _check_messages(new_messages)
+    base = render_chat(tokenizer, _PREFIX)
+    full = render_chat(tokenizer, _PREFIX + list(new_messages), add_generation_prompt=add_generation_prompt)
+    cut = base.rindex(END_OF_TURN) + len(END_OF_TURN)
+    if full[:cut] != base[:cut]:
+        raise AssertionError("chat template is not prefix-stable; encode_continuation cannot be exact")
+    return tokenizer.encode(full[cut:], add_special_tokens=False)
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerFast) -> int:
+    return tokenizer.convert_tokens_to_ids(END_OF_TURN)
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """Ids that end an assistant turn during sampling: END_OF_TURN first, then EOS."""
+    return [end_of_turn_id(tokenizer), tokenizer.eos_token_id]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI: python -m model.tokenizer build [--out DIR] [--check]
+# ---------------------------------------------------------------------------------------------------------
+
+
+def differing_files(a: Path, b: Path) -> list[str]:
+    """Names of files present in only one of two directories or with different bytes."""
+    names = sorted({p.name for p in a.iterdir()} | {p.name for p in b.iterdir()})
+    both = [n for n in names if (a / n).is_file() and (b / n).is_file()]
+    return [n for n in names if n not in both or not filecmp.cmp(a / n, b / n, shallow=False)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m model.tokenizer", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="train the BPE on model/assets/corpus and save it")
+    b.add_argument("--out", type=Path, default=TOKENIZER_DIR, help="output dir (default: shipped)")
+    b.add_argument("--corpus", type=Path, default=CORPUS_DIR, help="directory of *.txt corpus files")
+    b.add_argument("--check", action="store_true", help="rebuild in a temp dir; exit 1 if --out differs")
+    args = parser.parse_args(argv)
+
+    if args.check:
+        with tempfile.TemporaryDirectory() as tmp:
+            build_tokenizer(tmp, args.corpus)
+            diff = differing_files(Path(tmp), args.out)
+        if diff:
+            print(f"tokenizer files differ from a fresh build: {diff}; run `python -m model.tokenizer build`")
+            return 1
+        print(f"{args.out}: up to date")
+        return 0
+    out = build_tokenizer(args.out, args.corpus)
+    tok = load_tokenizer.__wrapped__(str(out))
+    print(f"wrote {out} (vocab {len(tok)}, {len(ALL_ADDED_TOKENS)} added tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

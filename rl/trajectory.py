@@ -1,0 +1,591 @@
+"""The token-faithful record of one episode, and an append-only on-disk store for it.
+
+A `Trajectory` holds the exact token ids the policy saw and produced (prompt, assistant
+turns, tool observations, concatenated in order), with per-token training data:
+
+    tokens            int32   [T]                  every token of the episode, in order
+    loss_mask         uint8   [T]                  1 on model-generated tokens, else 0
+    rollout_logprobs  float32 [T]                  behaviour-policy log-prob, NaN where not generated
+    routed_experts    uint16  [T, n_moe_layers, k] top-k expert ids per MoE layer (routing replay), optional
+
+plus turn spans, one env-info dict per env step, rewards and metadata. Assistant turn i is
+the i-th span with role "assistant"; `step_infos[i]` (when it exists) is the env step that
+consumed that turn's text.
+
+`TrajectoryStore(dir)` appends batches of trajectories as Arrow IPC *file* format files, one
+file per `append` call. Each file is written to a hidden temporary name in the same directory,
+flushed, fsync'ed, and then renamed with `os.replace` (atomic on POSIX), so a reader sees either
+the whole file or nothing. A truncated or otherwise unreadable `.arrow` file is skipped with a
+warning, never read as a partial record. See docs/trajectory.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import uuid
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import time_ns
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+ROLES = ("prompt", "assistant", "observation")
+SCHEMA_VERSION = "1"
+_VERSION_KEY = b"odyssey.trajectory.schema_version"
+
+
+@dataclass
+class TurnSpan:
+    """Tokens `[start, end)` of one message of the conversation; role in ROLES."""
+
+    role: str
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(eq=False)
+class Trajectory:
+    """One episode. Arrays are validated and coerced to the documented dtypes on construction.
+
+    Shapes: tokens / loss_mask / rollout_logprobs [T]; routed_experts [T, n_moe_layers, k] or None.
+    `turn_rewards` is empty until `rewards.compose` fills it (then len == number of assistant turns).
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    rollout_logprobs: np.ndarray
+    routed_experts: np.ndarray | None = None
+    turns: list[TurnSpan] = field(default_factory=list)
+    step_infos: list[dict] = field(default_factory=list)
+    outcome: float | None = None
+    terminated: bool = False
+    truncated: bool = False
+    infra_error: str | None = None
+    reward_error: str | None = None
+    rewards: dict[str, float] = field(default_factory=dict)
+    turn_rewards: list[float] = field(default_factory=list)
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.tokens = _as_int_array("tokens", self.tokens, np.int32)
+        if self.tokens.ndim != 1:
+            raise ValueError(f"Trajectory.tokens must be 1-D [T], got shape {self.tokens.shape}")
+        T = self.tokens.shape[0]
+        self.loss_mask = _as_mask(self.loss_mask, T)
+        self.rollout_logprobs = _as_float_array("rollout_logprobs", self.rollout_logprobs, T)
+        if self.routed_experts is not None:
+            re = _as_int_array("routed_experts", self.routed_experts, np.uint16)
+            if re.ndim != 3 or re.shape[0] != T:
+                raise ValueError(
+                    f"Trajectory.routed_experts must have shape [T={T}, n_moe_layers, k], got {re.shape}; "
+                    "pass None when the engine did not record routing"
+                )
+            self.routed_experts = re
+        self.turns = [_as_span(i, s) for i, s in enumerate(self.turns)]
+        _check_spans(self.turns, T)
+        _check_mask_in_assistant_spans(self.loss_mask, self.turns)
+        n_asst = self.n_assistant_turns
+        if not isinstance(self.step_infos, list) or not all(isinstance(d, dict) for d in self.step_infos):
+            raise TypeError("Trajectory.step_infos must be a list of dicts (one per env.step)")
+        if len(self.step_infos) > n_asst:
+            raise ValueError(
+                f"Trajectory has {len(self.step_infos)} step_infos but only {n_asst} assistant turns; "
+                "step_infos[i] belongs to assistant turn i, so there can be at most one per assistant turn"
+            )
+        if self.outcome is not None:
+            self.outcome = float(self.outcome)
+        if self.turn_rewards and len(self.turn_rewards) != n_asst:
+            raise ValueError(
+                f"Trajectory.turn_rewards has {len(self.turn_rewards)} entries, expected one per assistant "
+                f"turn ({n_asst}) or none"
+            )
+        self.turn_rewards = [float(x) for x in self.turn_rewards]
+        self.rewards = {str(k): float(v) for k, v in self.rewards.items()}
+        if not isinstance(self.metadata, dict):
+            raise TypeError(f"Trajectory.metadata must be a dict, got {type(self.metadata).__name__}")
+
+    # ---- views -------------------------------------------------------------------------------
+    @property
+    def n_tokens(self) -> int:
+        """T, the total number of tokens (prompt + generated + observations)."""
+        return int(self.tokens.shape[0])
+
+    @property
+    def n_generated(self) -> int:
+        """Number of model-generated tokens, sum(loss_mask)."""
+        return int(np.count_nonzero(self.loss_mask))
+
+    @property
+    def n_assistant_turns(self) -> int:
+        return sum(1 for s in self.turns if s.role == "assistant")
+
+    @property
+    def policy_version(self) -> int | None:
+        v = self.metadata.get("policy_version")
+        return None if v is None else int(v)
+
+    def assistant_spans(self) -> list[TurnSpan]:
+        """The assistant turns, in order; index i matches step_infos[i] and turn_rewards[i]."""
+        return [s for s in self.turns if s.role == "assistant"]
+
+    def last_generated_index(self, span: TurnSpan | None = None) -> int | None:
+        """Index of the last token with loss_mask == 1 (within `span` if given), or None if there is none."""
+        lo, hi = (0, self.n_tokens) if span is None else (span.start, span.end)
+        nz = np.flatnonzero(self.loss_mask[lo:hi])
+        return None if nz.size == 0 else lo + int(nz[-1])
+
+    # ---- Arrow -------------------------------------------------------------------------------
+    def to_arrow(self) -> pa.RecordBatch:
+        """One-row Arrow RecordBatch in the store schema (see `trajectories_to_batch`)."""
+        return trajectories_to_batch([self])
+
+    @classmethod
+    def from_arrow(cls, batch: pa.RecordBatch, row: int = 0) -> Trajectory:
+        """Decode row `row` of a store-schema RecordBatch. Arrays are zero-copy read-only views."""
+        return _decode_row(batch, row)
+
+
+# ---- validation helpers -------------------------------------------------------------------------
+
+
+def _as_int_array(name: str, x: Any, dtype: type) -> np.ndarray:
+    a = np.asarray(x)
+    if a.dtype == dtype:
+        return a
+    if a.size == 0:
+        return a.astype(dtype)
+    if a.dtype.kind not in "iu":
+        raise TypeError(
+            f"Trajectory.{name} must hold integers ({np.dtype(dtype).name}), got dtype {a.dtype}; "
+            f"pass np.asarray(x, dtype=np.{np.dtype(dtype).name})"
+        )
+    info = np.iinfo(dtype)
+    lo, hi = int(a.min()), int(a.max())
+    if lo < info.min or hi > info.max:
+        raise ValueError(
+            f"Trajectory.{name} values must fit {np.dtype(dtype).name} [{info.min}, {info.max}], "
+            f"got range [{lo}, {hi}]"
+        )
+    return a.astype(dtype)
+
+
+def _as_mask(x: Any, T: int) -> np.ndarray:
+    a = np.asarray(x)
+    if a.shape != (T,):
+        raise ValueError(f"Trajectory.loss_mask must have shape [T={T}], got {a.shape}")
+    if a.dtype == np.bool_:
+        return a.astype(np.uint8)
+    a = _as_int_array("loss_mask", a, np.uint8)
+    if a.size and a.max() > 1:
+        raise ValueError("Trajectory.loss_mask must contain only 0 and 1 (1 = model-generated token)")
+    return a
+
+
+def _as_float_array(name: str, x: Any, T: int) -> np.ndarray:
+    a = np.asarray(x)
+    if a.shape != (T,):
+        raise ValueError(f"Trajectory.{name} must have shape [T={T}], got {a.shape}")
+    if a.dtype == np.float32:
+        return a
+    if a.size and a.dtype.kind != "f":
+        raise TypeError(f"Trajectory.{name} must be floating point (float32), got dtype {a.dtype}")
+    return a.astype(np.float32)
+
+
+def _as_span(i: int, s: Any) -> TurnSpan:
+    if isinstance(s, dict):
+        s = TurnSpan(**s)
+    if not isinstance(s, TurnSpan):
+        raise TypeError(f"Trajectory.turns[{i}] must be a TurnSpan, got {type(s).__name__}")
+    if s.role not in ROLES:
+        raise ValueError(f"Trajectory.turns[{i}].role is {s.role!r}; expected one of {ROLES}")
+    return TurnSpan(s.role, int(s.start), int(s.end))
+
+
+def _check_spans(turns: list[TurnSpan], T: int) -> None:
+    prev_end = 0
+    for i, s in enumerate(turns):
+        if not (0 <= s.start < s.end <= T):
+            raise ValueError(
+                f"Trajectory.turns[{i}] = {s} is empty or outside [0, T={T}); spans are [start, end) "
+                "token ranges with start < end"
+            )
+        if s.start < prev_end:
+            raise ValueError(
+                f"Trajectory.turns[{i}] = {s} overlaps or precedes the previous span (ends {prev_end})"
+            )
+        prev_end = s.end
+
+
+def _check_mask_in_assistant_spans(mask: np.ndarray, turns: list[TurnSpan]) -> None:
+    inside = np.zeros(mask.shape, dtype=bool)
+    for s in turns:
+        if s.role == "assistant":
+            inside[s.start : s.end] = True
+    bad = np.flatnonzero(mask.astype(bool) & ~inside)
+    if bad.size:
+        raise ValueError(
+            f"Trajectory.loss_mask is 1 at token {int(bad[0])} (and {bad.size - 1} more) outside every "
+            "assistant span; only model-generated tokens (inside assistant turns) may be trained on"
+        )
+
+
+# ---- Arrow schema ---------------------------------------------------------------------------------
+
+_SPAN_TYPE = pa.struct([("role", pa.string()), ("start", pa.int64()), ("end", pa.int64())])
+
+SCHEMA = pa.schema(
+    [
+        ("tokens", pa.large_list(pa.int32())),
+        ("loss_mask", pa.large_list(pa.uint8())),
+        ("rollout_logprobs", pa.large_list(pa.float32())),
+        ("routed_experts", pa.large_list(pa.uint16())),  # flattened [T * n_moe_layers * k], null if absent
+        ("routed_experts_shape", pa.list_(pa.int32())),  # trailing dims [n_moe_layers, k], null if absent
+        ("turns", pa.list_(_SPAN_TYPE)),
+        ("step_infos", pa.large_string()),  # JSON list of dicts
+        ("outcome", pa.float64()),
+        ("terminated", pa.bool_()),
+        ("truncated", pa.bool_()),
+        ("infra_error", pa.string()),
+        ("reward_error", pa.string()),
+        ("rewards", pa.map_(pa.string(), pa.float64())),
+        ("turn_rewards", pa.list_(pa.float64())),
+        ("policy_version", pa.int64()),  # copy of metadata["policy_version"] for cheap filtering
+        ("metadata", pa.large_string()),  # JSON dict
+    ],
+    metadata={_VERSION_KEY: SCHEMA_VERSION.encode()},
+)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    raise TypeError(f"{type(o).__name__} is not JSON serialisable")
+
+
+def _dumps(name: str, obj: Any) -> str:
+    try:
+        return json.dumps(obj, default=_json_default)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"Trajectory.{name} must be JSON-serialisable (str/int/float/bool/None/list/dict, "
+            f"numpy scalars ok) to be stored: {e}"
+        ) from e
+
+
+def _large_list(arrays: list[np.ndarray | None], value_type: pa.DataType) -> pa.LargeListArray:
+    lengths = np.array([0 if a is None else a.size for a in arrays], dtype=np.int64)
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    present = [a.reshape(-1) for a in arrays if a is not None]
+    if len(present) == 1:
+        flat = present[0]  # zero-copy for the common single-trajectory append
+    elif present:
+        flat = np.concatenate(present)
+    else:
+        flat = np.zeros(0, dtype=value_type.to_pandas_dtype())
+    mask = None
+    if any(a is None for a in arrays):
+        mask = pa.array([a is None for a in arrays], type=pa.bool_())
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type), mask=mask)
+
+
+def trajectories_to_batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
+    """Encode trajectories as one Arrow RecordBatch (one row each) in `SCHEMA`.
+
+    Big arrays become large_list columns of their native dtype (int32 / uint8 / float32 / uint16),
+    so they are stored as raw little-endian buffers and decoded zero-copy. Heterogeneous dicts
+    (step_infos, metadata) are JSON strings.
+    """
+    if not trajs:
+        raise ValueError("trajectories_to_batch needs at least one Trajectory")
+    for i, t in enumerate(trajs):
+        if not isinstance(t, Trajectory):
+            raise TypeError(f"item {i} is a {type(t).__name__}, expected rl.trajectory.Trajectory")
+    re = [t.routed_experts for t in trajs]
+    pv = []
+    for t in trajs:
+        v = t.metadata.get("policy_version")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+            raise TypeError(f"metadata['policy_version'] must be an int or None, got {v!r}")
+        pv.append(None if v is None else int(v))
+    cols = [
+        _large_list([t.tokens for t in trajs], pa.int32()),
+        _large_list([t.loss_mask for t in trajs], pa.uint8()),
+        _large_list([t.rollout_logprobs for t in trajs], pa.float32()),
+        _large_list(re, pa.uint16()),
+        pa.array([None if a is None else list(a.shape[1:]) for a in re], type=pa.list_(pa.int32())),
+        pa.array([[(s.role, s.start, s.end) for s in t.turns] for t in trajs], type=pa.list_(_SPAN_TYPE)),
+        pa.array([_dumps("step_infos", t.step_infos) for t in trajs], type=pa.large_string()),
+        pa.array([t.outcome for t in trajs], type=pa.float64()),
+        pa.array([bool(t.terminated) for t in trajs], type=pa.bool_()),
+        pa.array([bool(t.truncated) for t in trajs], type=pa.bool_()),
+        pa.array([t.infra_error for t in trajs], type=pa.string()),
+        pa.array([t.reward_error for t in trajs], type=pa.string()),
+        pa.array([list(t.rewards.items()) for t in trajs], type=pa.map_(pa.string(), pa.float64())),
+        pa.array([t.turn_rewards for t in trajs], type=pa.list_(pa.float64())),
+        pa.array(pv, type=pa.int64()),
+        pa.array([_dumps("metadata", t.metadata) for t in trajs], type=pa.large_string()),
+    ]
+    return pa.RecordBatch.from_arrays(cols, schema=SCHEMA)
+
+
+def _flat(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets [n+1] int64, values) of a large_list column, both zero-copy."""
+    return col.offsets.to_numpy(zero_copy_only=True), col.values.to_numpy(zero_copy_only=True)
+
+
+def _decode_rows(batch: pa.RecordBatch, rows: Sequence[int]) -> Iterator[Trajectory]:
+    """Decode `rows` of a store-schema batch; columns are converted once per batch, not per row."""
+    if not rows:
+        return
+    c = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
+    flat = {k: _flat(c[k]) for k in ("tokens", "loss_mask", "rollout_logprobs", "routed_experts")}
+    py = {
+        k: c[k].to_pylist()
+        for k in c
+        if k not in flat and k not in ("step_infos", "metadata")  # JSON columns: decoded per row
+    }
+
+    def arr(k: str, r: int) -> np.ndarray:
+        off, vals = flat[k]
+        return vals[off[r] : off[r + 1]]
+
+    for r in rows:
+        shape = py["routed_experts_shape"][r]
+        yield Trajectory(
+            tokens=arr("tokens", r),
+            loss_mask=arr("loss_mask", r),
+            rollout_logprobs=arr("rollout_logprobs", r),
+            routed_experts=None if shape is None else arr("routed_experts", r).reshape(-1, *shape),
+            turns=[TurnSpan(d["role"], d["start"], d["end"]) for d in py["turns"][r]],
+            step_infos=json.loads(c["step_infos"][r].as_py()),
+            outcome=py["outcome"][r],
+            terminated=py["terminated"][r],
+            truncated=py["truncated"][r],
+            infra_error=py["infra_error"][r],
+            reward_error=py["reward_error"][r],
+            rewards=dict(py["rewards"][r]),
+            turn_rewards=py["turn_rewards"][r],
+            metadata=json.loads(c["metadata"][r].as_py()),
+        )
+
+
+def _decode_row(batch: pa.RecordBatch, row: int) -> Trajectory:
+    return next(_decode_rows(batch, [row]))
+
+
+def trajectories_from_batch(batch: pa.RecordBatch) -> list[Trajectory]:
+    """Inverse of `trajectories_to_batch`."""
+    return list(_decode_rows(batch, range(batch.num_rows)))
+
+
+# ---- store -------------------------------------------------------------------------------------
+
+_counter = itertools.count()
+
+
+class TrajectoryStore:
+    """Append-only directory of Arrow IPC files, one file per `append` call.
+
+    File names `<time_ns>-<pid>-<seq>-<rand>.arrow` sort in write order per process and never
+    collide across processes, so many rollout workers may append to one directory at once.
+    Writes go to `.<name>.tmp` in the same directory, are fsync'ed, then `os.replace`d into place.
+
+    Args:
+        root: directory (created if missing).
+        compression: Arrow IPC buffer compression, None | "lz4" | "zstd" (see bench/trajectory.py).
+        fsync: fsync the file and directory around the rename (durable across power loss, not just
+            process crashes). Costs a disk flush per append.
+    """
+
+    SUFFIX = ".arrow"
+    TMP_SUFFIX = ".tmp"
+
+    def __init__(self, root: str | os.PathLike, compression: str | None = None, fsync: bool = True):
+        if compression not in (None, "lz4", "zstd"):
+            raise ValueError(f"compression must be None, 'lz4' or 'zstd', got {compression!r}")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.compression = compression
+        self.fsync = fsync
+        self._warned: set[str] = set()
+
+    # ---- writing ----
+    def append(self, trajs: Trajectory | Iterable[Trajectory], max_batch_tokens: int = 1 << 26) -> Path:
+        """Atomically write `trajs` as one new file and return its path.
+
+        Trajectories are grouped into record batches of at most `max_batch_tokens` tokens each
+        (one trajectory may exceed it alone); the whole file becomes visible at once or not at all.
+        """
+        if isinstance(trajs, Trajectory):
+            trajs = [trajs]
+        trajs = list(trajs)
+        if not trajs:
+            raise ValueError("TrajectoryStore.append needs at least one Trajectory")
+        batches = [trajectories_to_batch(g) for g in _group_by_tokens(trajs, max_batch_tokens)]
+        name = f"{time_ns():020d}-{os.getpid()}-{next(_counter):06d}-{uuid.uuid4().hex[:8]}{self.SUFFIX}"
+        final = self.root / name
+        tmp = self.root / f".{name}{self.TMP_SUFFIX}"
+        try:
+            self._write_file(tmp, batches)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.fsync:
+            _fsync_dir(self.root)
+        return final
+
+    def _write_file(self, path: Path, batches: list[pa.RecordBatch]) -> None:
+        options = pa.ipc.IpcWriteOptions(compression=self.compression)
+        with open(path, "wb") as f:
+            with pa.ipc.new_file(f, SCHEMA, options=options) as writer:
+                for b in batches:
+                    writer.write_batch(b)
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+
+    # ---- reading ----
+    def files(self) -> list[Path]:
+        """Complete data files, in write order. Warns (once per file) about temporary files left behind."""
+        out = []
+        for p in sorted(self.root.iterdir()):
+            if p.name.startswith(".") and p.name.endswith(self.TMP_SUFFIX):
+                self._warn_once(
+                    p,
+                    f"TrajectoryStore: ignoring temporary file {p.name} (an in-progress write by another "
+                    "process, or left by a writer that crashed; remove_stale_temp() deletes old ones)",
+                )
+            elif p.suffix == self.SUFFIX and not p.name.startswith("."):
+                out.append(p)
+        return out
+
+    def _open(self, path: Path) -> pa.ipc.RecordBatchFileReader | None:
+        try:
+            reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        except (pa.ArrowInvalid, OSError) as e:
+            self._warn_once(
+                path, f"TrajectoryStore: skipping unreadable file {path.name} (truncated or corrupt): {e}"
+            )
+            return None
+        version = (reader.schema.metadata or {}).get(_VERSION_KEY)
+        if version != SCHEMA_VERSION.encode():
+            raise ValueError(
+                f"{path}: trajectory schema version {version!r}, this code reads {SCHEMA_VERSION!r}; "
+                "read it with the Odyssey version that wrote it"
+            )
+        return reader
+
+    def _batches(self) -> Iterator[pa.RecordBatch]:
+        for path in self.files():
+            reader = self._open(path)
+            if reader is None:
+                continue
+            try:
+                batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            except (pa.ArrowInvalid, OSError) as e:
+                self._warn_once(path, f"TrajectoryStore: skipping corrupt file {path.name}: {e}")
+                continue
+            yield from batches
+
+    def __iter__(self) -> Iterator[Trajectory]:
+        return self.iter()
+
+    def iter(
+        self, policy_version: int | None = None, min_policy_version: int | None = None
+    ) -> Iterator[Trajectory]:
+        """Yield stored trajectories in write order, optionally only those with
+        metadata["policy_version"] == policy_version and/or >= min_policy_version.
+
+        Arrays are zero-copy, read-only views into the memory-mapped file (`.copy()` to modify).
+        """
+        for batch in self._batches():
+            yield from _decode_rows(batch, _matching_rows(batch, policy_version, min_policy_version))
+
+    def read_all(
+        self, policy_version: int | None = None, min_policy_version: int | None = None
+    ) -> list[Trajectory]:
+        return list(self.iter(policy_version, min_policy_version))
+
+    def count(self, policy_version: int | None = None, min_policy_version: int | None = None) -> int:
+        """Number of stored trajectories (matching the filter); reads only the policy_version column."""
+        return sum(len(_matching_rows(b, policy_version, min_policy_version)) for b in self._batches())
+
+    def __len__(self) -> int:
+        return self.count()
+
+    def remove_stale_temp(self, older_than_s: float = 3600.0) -> list[Path]:
+        """Delete temporary files older than `older_than_s` (crash leftovers); returns what was removed."""
+        now = time_ns() / 1e9
+        removed = []
+        for p in self.root.iterdir():
+            if p.name.startswith(".") and p.name.endswith(self.TMP_SUFFIX):
+                try:
+                    if now - p.stat().st_mtime >= older_than_s:
+                        p.unlink()
+                        removed.append(p)
+                except FileNotFoundError:
+                    pass  # its writer finished and renamed it meanwhile
+        return removed
+
+    def _warn_once(self, path: Path, msg: str) -> None:
+        if path.name not in self._warned:
+            self._warned.add(path.name)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _group_by_tokens(trajs: list[Trajectory], max_tokens: int) -> list[list[Trajectory]]:
+    groups: list[list[Trajectory]] = [[]]
+    n = 0
+    for t in trajs:
+        if groups[-1] and n + t.n_tokens > max_tokens:
+            groups.append([])
+            n = 0
+        groups[-1].append(t)
+        n += t.n_tokens
+    return groups
+
+
+def _matching_rows(batch: pa.RecordBatch, version: int | None, min_version: int | None) -> list[int]:
+    if version is None and min_version is None:
+        return list(range(batch.num_rows))
+    pv = batch.column(batch.schema.get_field_index("policy_version")).to_pylist()
+    return [
+        i
+        for i, v in enumerate(pv)
+        if v is not None and (version is None or v == version) and (min_version is None or v >= min_version)
+    ]
+
+
+__all__ = [
+    "ROLES",
+    "SCHEMA",
+    "Trajectory",
+    "TrajectoryStore",
+    "TurnSpan",
+    "trajectories_from_batch",
+    "trajectories_to_batch",
+]
