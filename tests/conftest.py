@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 pytest_plugins = ["tests.sandbox_fixtures"]
 
@@ -12,6 +13,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Tests use tiny shapes: one intra-op thread is faster on 2 shared cores and keeps results reproducible.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

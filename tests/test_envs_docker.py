@@ -14,7 +14,7 @@ import pytest
 import envs
 from envs.tool_call import format_tool_call
 from sandbox.client import docker_client
-from tests.sandbox_fixtures import TEST_LIMITS_KW, docker_sandbox, sandbox_leak_check  # noqa: F401
+from tests.sandbox_fixtures import TEST_LIMITS_KW
 
 pytestmark = pytest.mark.docker
 

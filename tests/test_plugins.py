@@ -19,7 +19,6 @@ import pytest
 import envs
 from envs import registry
 from envs.registry import EnvLoadError, EnvNotFoundError, EnvRegistrationError
-from tests.sandbox_fixtures import docker_sandbox, sandbox_leak_check  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,0 +1,478 @@
+r"""Kimi Delta Attention (KDA) with lower-bound decay: recurrence, chunkwise form, decode step, layer.
+
+Notation (DESIGN.md, "Model"; docs/kda.md). Per head, with state S in R^{K x V}:
+
+    S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T,     o_t = S_t^T q_t     (1)
+
+alpha_t = exp(g_t) in (0, 1]^K is a per-channel decay, g_t its log ("log-decay"), beta_t in (0, 1)
+the delta-rule step size. Expanding (1) with S' = Diag(alpha_t) S_{t-1} gives the delta form
+
+    S_t = S' + beta_t k_t (v_t - S'^T k_t)^T                                                     (2)
+
+Gate (lower-bound decay): g = g_min * sigmoid(e^{A_h} * z) in [g_min, 0), g_min = -5, A_h = 0 at init,
+instead of the unbounded g = -e^{A_h} * softplus(z).
+
+The functions here are pure math: q is NOT scaled inside them. `KDAttention` multiplies q by K^-1/2
+(after its L2 norm) before calling them, so o_t = S_t^T (K^-1/2 q_t) in the layer.
+
+Chunkwise form (`chunk_kda`; WY / UT transform). Split the sequence into chunks of C tokens, start
+state S_0, and let Gam_r = sum_{s<=r} g_s (cumulative log-decay inside the chunk, fp32). Then
+
+    A_kk[s, j] = sum_d k_sd k_jd e^{Gam_sd - Gam_jd}   (j < s)        A_qk[r, s] = same with q_r (s <= r)
+    (I + Diag(beta) A_kk) U = Diag(beta) (V - (K * e^Gam) S_0)        => U = u - w S_0,
+        u = T V,  w = T (K * e^Gam),  T = (I + Diag(beta) A_kk)^{-1} Diag(beta)               (3)
+    O   = (Q * e^Gam) S_0 + A_qk U
+    S_C = Diag(e^{Gam_C}) S_0 + (K * e^{Gam_C - Gam})^T U
+
+u, w and A_qk depend only on the chunk, so they are computed for many chunks at once; only the
+state recurrence S_0 -> S_C loops over chunks. A_kk and A_qk are built from 16-token tiles as dense
+matmuls. With r_a = Gam just before tile a, the diagonal tile a is
+
+    A[a, a] = (k_a * e^{Gam_a - r_a}) (k_a * e^{r_a - Gam_a})^T      (then the causal mask)
+
+and an earlier tile b < a uses (k_a * e^{Gam_a - r_a}) (k_b * e^{r_{b+1} - Gam_b} * e^{r_a - r_{b+1}})^T,
+whose factors are all <= 1. Only the diagonal tile needs e^{r_a - Gam_j}, which is up to
+e^{-(sum of g over the tile)}. With g >= -5 that is <= e^{80} ~ 5.5e34, inside the fp32/bf16 exponent
+range (max ~3.4e38; e^{-80} ~ 1.8e-35 stays normal). With the unbounded gate a tile can sum to -300,
+e^{300} = inf and the dense tile overflows (tests/test_kda.py, the "control" test).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.norm import RMSNorm
+from model.short_conv import causal_short_conv, seq_lens_from_cu
+
+TILE = 16  # tokens per dense diagonal tile
+MAX_TILE_LOG_DECAY = 80.0  # |sum of g over one tile| allowed: e^80 ~ 5.5e34 < 3.4e38 (fp32/bf16 max)
+_CPU_BLOCK_ELEMS = 1 << 18  # on CPU, chunk_kda works on blocks of ~this many [.., C, K] elements (cache)
+
+
+# --------------------------------------------------------------------------------------------- gates
+def kda_gate(z: torch.Tensor, A_log: torch.Tensor, g_min: float = -5.0) -> torch.Tensor:
+    """Lower-bounded log-decay g = g_min * sigmoid(e^{A_h} * z), per channel, in [g_min, 0).
+
+    z: [..., H, K] gate pre-activation; A_log: [H] (initialised to 0). Returns fp32 g [..., H, K].
+    Because g >= g_min per token, a 16-token tile has cumulative log-decay >= 16 * g_min = -80.
+    """
+    return g_min * torch.sigmoid(A_log.float().exp()[:, None] * z.float())
+
+
+def unbounded_kda_gate(z: torch.Tensor, A_log: torch.Tensor) -> torch.Tensor:
+    """CONTROL ONLY: the unbounded gate g = -e^{A_h} * softplus(z) in (-inf, 0), [..., H, K] fp32.
+
+    Not used by the model. tests/test_kda.py uses it to show that, for large z, a 16-token tile's
+    cumulative log-decay exceeds what exp() can represent and the dense diagonal tiles overflow.
+    """
+    return -A_log.float().exp()[:, None] * F.softplus(z.float())
+
+
+# ------------------------------------------------------------------------------------ reference / decode
+def naive_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token oracle of recurrence (1), in fp32, using its delta form (2).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay; beta: [B, T, H];
+    initial_state: [B, H, K, V] or None (zeros). q is used as given (no K^-1/2 scaling).
+    Returns o [B, T, H, V] (v's dtype) and the final state [B, H, K, V] fp32.
+    """
+    B, T, H, K = q.shape
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.float()
+    o = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]  # S' = Diag(alpha_t) S_{t-1}
+        k_t = k[:, t]
+        delta = v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, S)  # v_t - S'^T k_t
+        S = S + beta[:, t, :, None, None] * k_t[..., None] * delta[:, :, None, :]
+        o.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))  # o_t = S_t^T q_t
+    return torch.stack(o, 1).to(v.dtype) if T else v.new_zeros(B, 0, H, v.shape[-1]), S
+
+
+def fused_recurrent_kda_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of (1)/(2) for N sequences at once (a fused kernel in fla; a few ops here).
+
+    q, k, g: [N, H, K]; v: [N, H, V]; beta: [N, H]; state: [N, H, K, V].
+    Returns o [N, H, V] (v's dtype) and the new state [N, H, K, V] fp32.
+    """
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    S = state.float() * g.exp()[..., None]
+    delta = v - torch.einsum("nhk,nhkv->nhv", k, S)
+    S = S + (beta[..., None] * k)[..., None] * delta[:, :, None, :]
+    return torch.einsum("nhk,nhkv->nhv", q, S).to(v.dtype), S
+
+
+# --------------------------------------------------------------------------------------------- chunkwise
+@dataclass
+class _ChunkLayout:
+    """Where each chunk of each sequence lives in the flat chunk axis.
+
+    Sequences are sorted by chunk count (descending) and chunks are laid out step-major: all first
+    chunks, then all second chunks, ... so chunk step j is the contiguous slice
+    ``[offsets[j], offsets[j] + active[j])`` and covers sorted sequences ``[0, active[j])``.
+    """
+
+    src: torch.Tensor  # [M*C] token index per chunk slot (T = the zero padding row)
+    dst: torch.Tensor  # [T] slot index per token
+    order: torch.Tensor  # [N] sorted position -> sequence id
+    active: list[int]  # sequences still running at chunk step j
+    offsets: list[int]  # first flat chunk of step j
+    padded: bool  # some sequence length is not a multiple of C
+    identity: bool  # src is arange(T): chunking is a plain reshape
+
+
+def _chunk_layout(lens: list[int], C: int, device: torch.device) -> _ChunkLayout:
+    T = sum(lens)
+    lens_t = torch.tensor(lens, device=device)
+    nchunks = (lens_t + C - 1) // C
+    order = torch.sort(nchunks, descending=True, stable=True).indices
+    n_sorted = nchunks[order]
+    max_c = int(n_sorted[0]) if len(lens) else 0
+    running = n_sorted[None, :] > torch.arange(max_c, device=device)[:, None]  # [max_c, N]
+    counts = running.sum(1)
+    active = counts.tolist()  # sequences still running at chunk step j
+    offsets = (counts.cumsum(0) - counts).tolist()
+    step, rank = running.nonzero(as_tuple=True)  # row-major = step-major
+    seq = order[rank]
+    bos = torch.tensor([0, *lens], device=device).cumsum(0)[:-1]
+    pos_in_seq = step[:, None] * C + torch.arange(C, device=device)  # [M, C]
+    valid = pos_in_seq < lens_t[seq][:, None]
+    tok = bos[seq][:, None] + pos_in_seq
+    src = torch.where(valid, tok, T).flatten()
+    dst = torch.empty(T, dtype=torch.long, device=device)
+    dst[tok[valid]] = valid.flatten().nonzero().squeeze(1)
+    padded = any(n % C for n in lens)
+    identity = not padded and (len(lens) == 1 or max_c <= 1)
+    return _ChunkLayout(src, dst, order, active, offsets, padded, identity)
+
+
+def _wy_intra_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Per-chunk quantities of (3), for m chunks at once.
+
+    q, k, g: [m, H, C, K]; v: [m, H, C, V]; beta: [m, H, C]. Tile matmuls run in q's dtype with the
+    decay factors formed in fp32; the triangular solve runs in fp32.
+    Returns (fp32) A_qk [m, H, C, C], u [m, H, C, V], w [m, H, C, K], Q * e^Gam [m, H, C, K],
+    (K * e^{Gam_C - Gam})^T [m, H, K, C] and e^{Gam_C} [m, H, K, 1].
+
+    Decay factors, with r_a = Gam just before tile a and r_{a+1} = Gam at its last token:
+      left  = e^{Gam_s - r_a}      in [e^-80, 1]  (rows of tile a)
+      inv   = e^{r_a - Gam_j}      in [1, e^80]   (columns of the diagonal tile: the one that needs the bound)
+      tail  = e^{r_{a+1} - Gam_j}  in [e^-80, 1]  (columns of an earlier tile b, times e^{r_a - r_{b+1}} <= 1)
+    """
+    m, H, C, K = k.shape
+    V, nt, dt = v.shape[-1], C // TILE, q.dtype
+    gam = g.float().cumsum(2).unflatten(2, (nt, TILE))  # Gam, fp32  [m, H, nt, 16, K]
+    r_end = gam[:, :, :, -1]  # r_{a+1}  [m, H, nt, K]
+    r = F.pad(r_end[:, :, :-1], (0, 0, 1, 0))  # r_a (0 for the first tile)
+    rel = gam - r[:, :, :, None]  # Gam_s - r_a in [-80, 0]
+    left, inv = rel.exp(), (-rel).exp()
+    tail = (r_end[:, :, :, None] - gam).exp()
+    qt, kt = q.float().unflatten(2, (nt, TILE)), k.float().unflatten(2, (nt, TILE))
+    qk_l = torch.cat([qt * left, kt * left], 3).to(dt)  # rows of tile a: [q_a; k_a] * left  [m,H,nt,32,K]
+    k_tail = kt * tail
+
+    # diagonal tiles: one dense matmul with the e^{+-(Gam - r_a)} factors, then the causal masks
+    tri = torch.ones(TILE, TILE, dtype=torch.bool, device=q.device).tril()
+    keep = torch.cat([tri, tri.tril(-1)])  # s <= r for A_qk (top 16 rows), j < s for A_kk (bottom 16 rows)
+    diag = (qk_l @ (kt * inv).to(dt).transpose(-1, -2)).float().masked_fill(~keep, 0.0)  # [m, H, nt, 32, 16]
+    A_qk = q.new_zeros(m, H, C, C, dtype=torch.float32)
+    A_kk = torch.zeros_like(A_qk)
+    for a in range(nt):
+        rows = slice(a * TILE, (a + 1) * TILE)
+        A_qk[:, :, rows, rows] = diag[:, :, a, :TILE]
+        A_kk[:, :, rows, rows] = diag[:, :, a, TILE:]
+        if a:  # tiles b < a: (q_s e^{Gam_s - r_a}) . (k_j e^{r_{b+1} - Gam_j}) e^{r_a - r_{b+1}}, all <= 1
+            k_r = (k_tail[:, :, :a] * (r[:, :, a, None] - r_end[:, :, :a]).exp()[:, :, :, None]).flatten(2, 3)
+            off = (qk_l[:, :, a] @ k_r.to(dt).transpose(-1, -2)).float()  # [m, H, 32, 16a]
+            A_qk[:, :, rows, : a * TILE] = off[:, :, :TILE]
+            A_kk[:, :, rows, : a * TILE] = off[:, :, TILE:]
+
+    e_gam = (left * r.exp()[:, :, :, None]).flatten(2, 3)  # e^{Gam_s} = e^{r_a} e^{Gam_s - r_a}
+    # solve (I + Diag(beta) A_kk) [u | w] = Diag(beta) [V | K * e^Gam]; the unit diagonal is implicit
+    bf = beta.float()[..., None]
+    kf = kt.flatten(2, 3)
+    uw = torch.linalg.solve_triangular(
+        bf * A_kk, torch.cat([v.float(), kf * e_gam], -1) * bf, upper=False, unitriangular=True
+    )
+    u, w = uw.split([V, K], -1)
+    gam_C = r_end[:, :, -1]  # Gam_C  [m, H, K]
+    k_dec = (k_tail * (gam_C[:, :, None] - r_end).exp()[:, :, :, None]).flatten(2, 3)  # K e^{Gam_C - Gam}
+    return A_qk, u, w, qt.flatten(2, 3) * e_gam, k_dec.transpose(-1, -2), gam_C.exp()[..., None]
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    check_decay_bound: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunkwise-parallel KDA (WY/UT form (3)); equals `naive_recurrent_kda`.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (<= 0, >= -5 per token from
+    `kda_gate`); beta: [B, T, H]. q is used as given (no scaling).
+    Without cu_seqlens: B sequences of length T, initial_state [B, H, K, V] or None, final state
+    [B, H, K, V]. With cu_seqlens (int [N+1], B must be 1): N packed sequences of any lengths; the
+    state resets at every boundary, initial_state and final state are [N, H, K, V].
+    chunk_size: 16, 32 or 64 (any multiple of the 16-token tile works; 64 is the default).
+    check_decay_bound: raise if a 16-token tile sums to g < -80 (the dense diagonal tiles would
+    overflow) or g > 0; costs one device sync.
+    Returns o [B, T, H, V] (v's dtype), final state fp32. Differentiable by autograd.
+    """
+    if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            "chunk_kda expects q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H]; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}"
+        )
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
+    if not (isinstance(chunk_size, int) and chunk_size > 0 and chunk_size % TILE == 0):
+        raise ValueError(f"chunk_size must be a positive multiple of {TILE} (default 64), got {chunk_size}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        lens = [T] * B
+    else:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the sequences are packed along T, so B must be 1; got B={B}")
+        lens = seq_lens_from_cu(cu_seqlens, T)
+    N, C = len(lens), chunk_size
+    if initial_state is not None and initial_state.shape != (N, H, K, V):
+        raise ValueError(
+            f"initial_state must be [N={N}, H={H}, K={K}, V={V}] (one per sequence), got "
+            f"{tuple(initial_state.shape)}"
+        )
+    lay = _chunk_layout(lens, C, q.device)
+    M = len(lay.src) // C
+
+    def flat(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, ...] -> [B*T (+1 zero padding row), H, ...]
+        x = x.reshape(B * T, *x.shape[2:])
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])]) if lay.padded else x
+
+    tokens = [flat(t) for t in (q, k, v, g, beta)]
+    S = q.new_zeros(N, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+    S = S[lay.order]
+    # Chunk steps are processed in blocks so that, on CPU, a block's intermediates stay in cache; on an
+    # accelerator one block holds every chunk. Within a block all chunks are vectorised; the recurrence
+    # S_0 -> S_C is the only loop over chunk steps.
+    max_c = len(lay.active)
+    per_block = max_c if q.device.type != "cpu" else max(1, _CPU_BLOCK_ELEMS // (N * H * C * max(K, V)))
+    outs = []
+    for j0 in range(0, max_c, per_block):
+        j1 = min(j0 + per_block, max_c)
+        c0 = lay.offsets[j0]
+        c1 = lay.offsets[j1] if j1 < max_c else M
+        slots = slice(c0 * C, c1 * C)
+        qc, kc, vc, gc, bc = (  # [m, H, C, ...]: this block's chunks, zero padded
+            (t[slots] if lay.identity else t[lay.src[slots]]).unflatten(0, (c1 - c0, C)).transpose(1, 2)
+            .contiguous()
+            for t in tokens
+        )
+        if check_decay_bound:
+            _check_tiles(gc)
+        A_qk, u, w, q_dec, k_dec, d_end = _wy_intra_chunk(qc, kc, vc, gc, bc)
+        starts, Us = [], []
+        for n_act, off in zip(lay.active[j0:j1], lay.offsets[j0:j1]):
+            sl = slice(off - c0, off - c0 + n_act)
+            S0 = S[:n_act]
+            U = u[sl] - w[sl] @ S0  # U = u - w S_0   [n, H, C, V]
+            S_new = d_end[sl] * S0 + k_dec[sl] @ U  # S_C
+            starts.append(S0)
+            Us.append(U)
+            S = S_new if n_act == N else torch.cat([S_new, S[n_act:]])
+        outs.append(q_dec @ torch.cat(starts) + A_qk @ torch.cat(Us))  # O = (Q * e^Gam) S_0 + A_qk U
+    final = S[torch.argsort(lay.order)]
+    if not M:
+        return v.new_zeros(B, T, H, V), final
+    o = torch.cat(outs).transpose(1, 2).reshape(M * C, H, V)
+    if not lay.identity:
+        o = o[lay.dst]  # back to token order
+    return o.reshape(B, T, H, V).to(v.dtype), final
+
+
+def _check_tiles(gc: torch.Tensor) -> None:
+    """Raise unless every 16-token tile of the chunked log-decay gc [m, H, C, K] sums to >= -80 and g <= 0."""
+    tile_sum = gc.float().unflatten(2, (gc.shape[2] // TILE, TILE)).sum(3)
+    lo, hi = torch.stack([tile_sum.min(), gc.max().float()]).tolist()
+    if lo < -MAX_TILE_LOG_DECAY - 1e-3 or hi > 0:
+        raise ValueError(
+            f"chunk_kda: g must be a log-decay in [-5, 0] per token (16-token tile sum >= "
+            f"-{MAX_TILE_LOG_DECAY:.0f}); got min tile sum {lo:.1f}, max g {hi:.3g}. The dense diagonal "
+            "tiles would overflow. Produce g with kda_gate(), or pass check_decay_bound=False to run "
+            "anyway."
+        )
+
+
+# ------------------------------------------------------------------------------------------------ layer
+@dataclass
+class KDALayerState:
+    """Decode state of one KDA layer for N sequences.
+
+    recurrent: [N, H, K, V] fp32 (S of recurrence (1)); conv: [N, C, conv_size-1] (the last inputs
+    of the short conv, oldest first, C = 2*H*K + H*V channels of q|k|v).
+    """
+
+    recurrent: torch.Tensor
+    conv: torch.Tensor
+
+    @classmethod
+    def zeros(
+        cls, config: Any, n: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> KDALayerState:
+        """A fresh state for n sequences (what None means in `KDAttention.forward`)."""
+        H, K = config.kda_num_heads, config.kda_head_dim
+        W = getattr(config, "kda_conv_size", 4)
+        return cls(
+            torch.zeros(n, H, K, K, device=device, dtype=torch.float32),
+            torch.zeros(n, 3 * H * K, W - 1, device=device, dtype=dtype),
+        )
+
+    def select(self, idx: torch.Tensor | list[int]) -> KDALayerState:
+        """Rows idx (e.g. the sequences that continue), in that order."""
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.recurrent.device)
+        return KDALayerState(self.recurrent[idx], self.conv[idx])
+
+    @staticmethod
+    def concat(states: list[KDALayerState]) -> KDALayerState:
+        """Stack the rows of several states (sequence order preserved)."""
+        return KDALayerState(torch.cat([s.recurrent for s in states]), torch.cat([s.conv for s in states]))
+
+    def nbytes(self) -> int:
+        """Bytes held (recurrent + conv), for cache accounting."""
+        return sum(t.numel() * t.element_size() for t in (self.recurrent, self.conv))
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / ||x||_2 over the last dim, computed in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class KDAttention(nn.Module):
+    """One KDA token mixer (DESIGN.md "Model"), on packed sequences.
+
+    q, k = L2Norm(SiLU(ShortConv4(W_q x / W_k x))), q scaled by K^-1/2 here; v = SiLU(ShortConv4(W_v x));
+    beta = sigmoid(W_b x); g = kda_gate(W_fb W_fa x + dt_bias, A_log, g_min) (rank-K gate projection);
+    y = W_o[sigmoid(W_gb W_ga x) * RMSNorm_head(o)] (rank-K output gate), o from recurrence (1).
+    Parameter names follow fla / Kimi Linear (q_proj, conv1d, f_a_proj, A_log, dt_bias, o_norm, ...).
+
+    config: hidden_size, kda_num_heads (H), kda_head_dim (K = V), kda_conv_size (4), kda_g_min (-5),
+    kda_chunk_size (64), rms_norm_eps.
+    """
+
+    def __init__(self, config: Any, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        D, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        self.num_heads, self.head_dim = H, K
+        self.conv_size = getattr(config, "kda_conv_size", 4)
+        self.g_min = float(getattr(config, "kda_g_min", -5.0))
+        self.chunk_size = getattr(config, "kda_chunk_size", 64)
+        if not (self.g_min < 0 and -self.g_min * TILE <= MAX_TILE_LOG_DECAY):
+            raise ValueError(
+                f"kda_g_min must be in [-{MAX_TILE_LOG_DECAY / TILE:g}, 0) so that a {TILE}-token tile's"
+                f" cumulative log-decay stays >= -{MAX_TILE_LOG_DECAY:g} (fits fp32/bf16); got {self.g_min}"
+            )
+        if not (self.chunk_size > 0 and self.chunk_size % TILE == 0):
+            raise ValueError(
+                f"kda_chunk_size must be a positive multiple of {TILE} (default 64), got {self.chunk_size}"
+            )
+        if self.conv_size < 1:
+            raise ValueError(f"kda_conv_size must be >= 1, got {self.conv_size}")
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * K, bias=False)
+        C = 3 * H * K
+        self.conv1d = nn.Conv1d(C, C, self.conv_size, groups=C, bias=False)  # depthwise, causal via state
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
+        self.g_a_proj = nn.Linear(D, K, bias=False)
+        self.g_b_proj = nn.Linear(K, H * K, bias=True)
+        self.o_norm = RMSNorm(K, eps=getattr(config, "rms_norm_eps", 1e-6))  # per head, weight [K] shared
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """A_log = 0; dt_bias so that the initial per-token log-decay g0 (at z = 0) is log-uniform in
+        [-1, -1e-3] over channels: dt_bias = logit(g0 / g_min). Call again after a generic re-init."""
+        self.A_log.zero_()
+        g0 = -torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1.0)))
+        self.dt_bias.copy_(torch.logit(g0 / self.g_min))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        state: KDALayerState | None = None,
+    ) -> tuple[torch.Tensor, KDALayerState]:
+        """x: [T, D] packed tokens of N sequences; cu_seqlens: int32 [N+1] (None = one sequence);
+        state: the N sequences' KDALayerState, or None for fresh sequences.
+        Returns y [T, D] and the new KDALayerState (recurrent [N, H, K, V] fp32, conv [N, C, W-1])."""
+        if x.dim() != 2:
+            raise ValueError(f"KDAttention takes packed x [T, D] (+ cu_seqlens), got {tuple(x.shape)}")
+        T = x.shape[0]
+        H, K = self.num_heads, self.head_dim
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=x.device)
+        lens = seq_lens_from_cu(cu_seqlens, T)
+        N = len(lens)
+        if state is not None and state.recurrent.shape != (N, H, K, K):
+            raise ValueError(
+                f"state holds {tuple(state.recurrent.shape)} but cu_seqlens has N={N} sequences "
+                f"(expected recurrent [N, {H}, {K}, {K}]): select() the matching cache rows"
+            )
+
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        mixed, conv_state = causal_short_conv(
+            mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state.conv
+        )
+        q, k, v = F.silu(mixed).view(T, 3, H, K).unbind(1)
+        q = _l2norm(q) * K**-0.5  # the K^-1/2 query scale lives here, not in the kernels
+        k = _l2norm(k)
+        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+        z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        g = kda_gate(z.view(T, H, K), self.A_log, self.g_min)  # [T, H, K] fp32, >= g_min
+
+        if state is not None and all(n == 1 for n in lens):  # decode: one new token per sequence
+            o, S = fused_recurrent_kda_step(q, k, v, g, beta, state.recurrent)
+        else:
+            o, S = chunk_kda(
+                q[None], k[None], v[None], g[None], beta[None],
+                initial_state=None if state is None else state.recurrent,
+                chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
+                check_decay_bound=False,  # g >= g_min >= -5 by construction (checked in __init__)
+            )
+            o = o[0]
+        gate = torch.sigmoid(self.g_b_proj(self.g_a_proj(x))).view(T, H, K)
+        o = (gate * self.o_norm(o.to(x.dtype))).reshape(T, H * K)
+        return self.o_proj(o), KDALayerState(S, conv_state)
