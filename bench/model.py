@@ -1,0 +1,167 @@
+"""Model benchmarks -> bench/results/model.json.
+
+1. chunk_kda (chunkwise WY form) vs naive_recurrent_kda (token loop) at T = 1K and 8K, fp32, forward only.
+   Target: >= 10x at 8K.
+2. Forward throughput (tokens/s) of the tiny preset (4 x 512 tokens packed) and the small preset (1 x 2048).
+3. Decode-cache bytes per token at 128K context, ours (MLA latent per MLA layer + constant KDA state amortised
+   over the context) vs a standard GQA KV cache in EVERY layer (8 KV heads x head_dim 128 for k3, K and V,
+   bf16) and vs a full-width MHA cache (K and V of width hidden_size). This ratio is the reason for the
+   architecture. Also checks the analytic size against a real cache built by the tiny model.
+
+Times are the best of `--repeats` runs (the dev machines are shared; best-of is the least noisy).
+Usage: .venv/bin/python bench/model.py [--quick] [--out bench/results/model.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model.cache import cache_bytes, gqa_cache_bytes  # noqa: E402
+from model.config import OdysseyConfig  # noqa: E402
+from model.kda import chunk_kda, kda_gate, naive_recurrent_kda  # noqa: E402
+from model.modeling import OdysseyForCausalLM  # noqa: E402
+
+CTX = 131072
+
+
+def best_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def kda_inputs(T: int, H: int = 4, K: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=g), dim=-1) * K ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=g), dim=-1)
+    v = torch.randn(1, T, H, K, generator=g)
+    gate = kda_gate(torch.randn(1, T, H, K, generator=g), torch.zeros(H))
+    beta = torch.sigmoid(torch.randn(1, T, H, generator=g))
+    return q, k, v, gate, beta
+
+
+@torch.no_grad()
+def bench_kda(lengths: list[int], repeats: int) -> list[dict]:
+    rows = []
+    for T in lengths:
+        q, k, v, g, beta = kda_inputs(T)
+        args = (q, k, v, g, beta)
+        t_naive = best_time(lambda args=args: naive_recurrent_kda(*args), max(1, repeats // 2))
+        t_chunk = best_time(lambda args=args: chunk_kda(*args, chunk_size=64), repeats)
+        o_n, s_n = naive_recurrent_kda(q, k, v, g, beta)
+        o_c, s_c = chunk_kda(q, k, v, g, beta, chunk_size=64)
+        rel = float((o_c - o_n).pow(2).mean().sqrt() / o_n.pow(2).mean().sqrt())
+        rows.append({"T": T, "H": 4, "K": 64, "V": 64, "naive_s": t_naive, "chunk_s": t_chunk,
+                     "speedup": t_naive / t_chunk, "rel_rms_error": rel})
+        print(f"KDA T={T:5d}: naive {t_naive * 1e3:8.1f} ms  chunk {t_chunk * 1e3:7.1f} ms  "
+              f"speedup {t_naive / t_chunk:6.1f}x  (rel-RMS {rel:.1e})")
+    return rows
+
+
+@torch.no_grad()
+def bench_forward(preset: str, batch: int, seqlen: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    model = OdysseyForCausalLM(OdysseyConfig.from_preset(preset)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (batch * seqlen,))
+    cu = torch.arange(0, batch * seqlen + 1, seqlen, dtype=torch.int32)
+    t = best_time(lambda: model(ids, cu_seqlens=cu), repeats)
+    n = batch * seqlen
+    print(f"forward {preset:5s} {batch}x{seqlen}: {t * 1e3:7.1f} ms  {n / t:9.0f} tokens/s")
+    return {"preset": preset, "batch": batch, "seqlen": seqlen, "seconds": t, "tokens_per_s": n / t}
+
+
+def bench_cache() -> dict:
+    """Bytes per token at 128K context (bf16 latents/conv/KV, fp32 KDA state)."""
+    out = {}
+    for preset in ("tiny", "small", "k3"):
+        cfg = OdysseyConfig.from_preset(preset)
+        ours = cache_bytes(cfg, CTX, latent_bytes=2, conv_bytes=2, state_bytes=4)
+        head_dim = 128 if preset == "k3" else cfg.mla_head_dim
+        kv_heads = 8 if preset == "k3" else max(1, cfg.mla_num_heads // 2)
+        gqa = gqa_cache_bytes(cfg.num_hidden_layers, kv_heads, head_dim, CTX)
+        mha = cfg.num_hidden_layers * 2 * cfg.hidden_size * CTX * 2
+        row = {
+            "context": CTX,
+            "ours_bytes_per_token": ours["total"] / CTX,
+            "ours_mla_latent_bytes_per_token": ours["mla"] / CTX,
+            "ours_kda_state_bytes_per_token_amortised": ours["kda"] / CTX,
+            "ours_kda_state_bytes_per_sequence": ours["kda"],
+            "gqa_baseline": f"{cfg.num_hidden_layers} layers x {kv_heads} KV heads x head_dim {head_dim}, "
+                            "K+V, bf16",
+            "gqa_bytes_per_token": gqa / CTX,
+            "mha_full_width_bytes_per_token": mha / CTX,
+            "ratio_gqa_over_ours": gqa / ours["total"],
+            "ratio_mha_over_ours": mha / ours["total"],
+            "ours_total_GiB_per_sequence": ours["total"] / 2 ** 30,
+            "gqa_total_GiB_per_sequence": gqa / 2 ** 30,
+        }
+        out[preset] = row
+        print(f"cache {preset:5s} @128K: ours {row['ours_bytes_per_token']:10.1f} B/token "
+              f"(MLA {row['ours_mla_latent_bytes_per_token']:.0f} "
+              f"+ KDA {row['ours_kda_state_bytes_per_token_amortised']:.1f})"
+              f"  GQA {row['gqa_bytes_per_token']:10.0f} B/token  ratio {row['ratio_gqa_over_ours']:5.1f}x"
+              f"  (full-width MHA: {row['ratio_mha_over_ours']:.0f}x)")
+    return out
+
+
+@torch.no_grad()
+def check_cache_formula() -> dict:
+    """The analytic size equals the bytes a real tiny-model cache holds (fp32 model, 1000 tokens)."""
+    cfg = OdysseyConfig.from_preset("tiny")
+    model = OdysseyForCausalLM(cfg).eval()
+    cache = model(torch.randint(0, cfg.vocab_size, (1000,)), use_cache=True).cache
+    est = cache_bytes(cfg, 1000, latent_bytes=4, conv_bytes=4, state_bytes=4)["total"]
+    print(f"cache formula check (tiny, 1000 tokens, fp32): measured {cache.nbytes()} B, formula {est} B")
+    return {"measured_bytes": cache.nbytes(), "formula_bytes": est, "equal": cache.nbytes() == est}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="short KDA lengths and fewer repeats (smoke run)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: 2 OpenMP threads thrash on the shared 2-core machines)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "model.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lengths = [256, 1024] if args.quick else [1024, 8192]
+    res = {
+        "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
+        "kda": bench_kda(lengths, args.repeats),
+        "forward": [bench_forward("tiny", 4, 512, args.repeats)],
+        "cache_128k": bench_cache(),
+        "cache_formula_check": check_cache_formula(),
+    }
+    if not args.quick:
+        res["forward"].append(bench_forward("small", 1, 2048, max(1, args.repeats - 1)))
+    at = {r["T"]: r["speedup"] for r in res["kda"]}
+    res["summary"] = {
+        "kda_speedup_at_8k": at.get(8192),
+        "kda_target_10x_met": at.get(8192, 0) >= 10 if 8192 in at else None,
+        "tiny_forward_tokens_per_s": res["forward"][0]["tokens_per_s"],
+        "k3_cache_ratio_vs_gqa_at_128k": res["cache_128k"]["k3"]["ratio_gqa_over_ours"],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res["summary"], indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

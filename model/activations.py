@@ -1,0 +1,22 @@
+"""SiTU-GLU, the gated activation of every FFN (DESIGN.md, "SiTU-GLU").
+
+    situ_glu(G, U) = b_g * tanh(G / b_g) * sigmoid(G)  *  b_u * tanh(U / b_u),   b_g = 4, b_u = 25
+
+It is SwiGLU (SiLU(G) * U) with both branches soft-capped by a scaled tanh: near 0,
+b*tanh(x/b) = x + O(x^3/b^2), so the output equals SwiGLU to second order, while |out| <= b_g * b_u = 100
+for any input, which bounds the activations that feed the down projection (a stability measure for very
+deep/wide models).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def situ_glu(
+    gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0
+) -> torch.Tensor:
+    """SiTU-GLU. gate, up [..., I] -> [..., I], |out| <= beta_gate * beta_up. Computed in the input dtype."""
+    g = beta_gate * torch.tanh(gate / beta_gate) * torch.sigmoid(gate)
+    u = beta_up * torch.tanh(up / beta_up)
+    return g * u

@@ -1,0 +1,154 @@
+"""Block Attention Residuals (DESIGN.md, "Block Attention Residual"; Kimi's *Attention Residuals*).
+
+Instead of the residual sum h_l = x_0 + sum_{j<l} f_j, each sublayer reads a softmax mixture of
+*sources* (per token t, sources v_i [T, D]):
+
+    h = sum_i softmax_i( w^T RMSNorm(v_i) ) * v_i          w [D]: pseudo-query, zero-initialised
+
+Softmax over the source axis, in fp32. Sources, for decoder layer l (0-based) with block size S:
+
+    v_0          = token embedding
+    b_1 .. b_m   = sealed block sums, b_n = sum of every sublayer output in layers [(n-1)S, nS)
+    p            = partial sum of the current block: outputs of the sublayers of this block so far
+
+What is added to the partial sum: every sublayer's output, i.e. the mixer (KDA/MLA) output
+a_l = Mixer(RMSNorm(h_attn)) and the FFN output f_l = FFN(RMSNorm(h_ffn)), exactly once each.
+Per layer (see `AttnResStream` and `OdysseyDecoderLayer`):
+
+    h_attn = read_attn(v_0, b_1..b_m, p)    (p omitted when the block has no outputs yet)
+    p     += a_l
+    h_ffn  = read_ffn(v_0, b_1..b_m, p)
+    p     += f_l
+    if (l + 1) % S == 0: seal p as b_{m+1}; p = empty
+
+The model's final hidden state is one more read (`final_read`) over all sources, then RMSNorm + LM head.
+
+Properties (tests/test_attn_res.py):
+- zero pseudo-queries  =>  h = mean of the sources (this is the init; after the final RMSNorm it is the
+  same direction as the standard residual sum v_0 + sum of outputs, since RMSNorm is scale-invariant);
+- S = 1  =>  "full AttnRes" at layer granularity: every earlier layer's output a_j + f_j is its own
+  source (`full_attn_res_reference` below is the naive version of that rule);
+- everything is per token, so AttnRes never mixes positions: causality in time is preserved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model.norm import rms_normalize
+
+
+class AttnResRead(nn.Module):
+    """One AttnRes read: its own RMSNorm scale g [D] and zero-initialised pseudo-query w [D].
+
+    logits_i = w^T (g * rms_normalize(v_i)),  h = sum_i softmax_i(logits) v_i   (fp32 softmax)
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.query = nn.Parameter(torch.zeros(dim))
+        self.norm_weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """sources: S tensors [..., D] (same shape) -> h [..., D] in the sources' dtype."""
+        if not sources:
+            raise ValueError("AttnResRead needs at least one source (the embedding)")
+        w = (self.query.float() * self.norm_weight.float())  # fold the norm scale into the query
+        logits = torch.stack([rms_normalize(v, self.eps) @ w for v in sources], dim=-1)  # [..., S] fp32
+        p = torch.softmax(logits, dim=-1)
+        h = sum(p[..., i:i + 1] * v.float() for i, v in enumerate(sources))
+        return h.to(sources[0].dtype)
+
+
+@dataclass
+class AttnResStream:
+    """The residual state carried through the layer stack: embedding + sealed blocks, and the open block.
+
+    blocks: [v_0 = embedding, b_1, ..., b_m], each [T, D]; partial: sum of this block's outputs, or None.
+    """
+
+    blocks: list[torch.Tensor]
+    partial: torch.Tensor | None = None
+
+    def sources(self) -> list[torch.Tensor]:
+        return self.blocks if self.partial is None else [*self.blocks, self.partial]
+
+    def add(self, out: torch.Tensor) -> None:
+        """Add one sublayer output to the open block."""
+        self.partial = out if self.partial is None else self.partial + out
+
+    def seal(self) -> None:
+        """Close the open block: it becomes a source of its own."""
+        if self.partial is not None:
+            self.blocks.append(self.partial)
+            self.partial = None
+
+
+class BlockAttnRes(nn.Module):
+    """The two AttnRes reads of decoder layer `layer_idx` and its block boundary rule.
+
+    `read_attn(stream)` before the mixer, `read_ffn(stream)` before the FFN, `write(stream, out)` after
+    each sublayer, `end_layer(stream)` seals the block when (layer_idx + 1) % block_size == 0.
+    """
+
+    def __init__(self, hidden_size: int, layer_idx: int, block_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if block_size < 1:
+            raise ValueError(f"attn_res_block_size must be >= 1 layer, got {block_size}")
+        self.layer_idx, self.block_size = layer_idx, block_size
+        self.attn_read = AttnResRead(hidden_size, eps)
+        self.ffn_read = AttnResRead(hidden_size, eps)
+
+    def read_attn(self, stream: AttnResStream) -> torch.Tensor:
+        return self.attn_read(stream.sources())
+
+    def read_ffn(self, stream: AttnResStream) -> torch.Tensor:
+        return self.ffn_read(stream.sources())
+
+    @staticmethod
+    def write(stream: AttnResStream, out: torch.Tensor) -> None:
+        stream.add(out)
+
+    def end_layer(self, stream: AttnResStream) -> None:
+        if (self.layer_idx + 1) % self.block_size == 0:
+            stream.seal()
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}, block_size={self.block_size}"
+
+
+def attn_res_reference(query: torch.Tensor, norm_weight: torch.Tensor, sources: list[torch.Tensor],
+                       eps: float) -> torch.Tensor:
+    """Naive AttnRes read for the oracle tests: explicit fp32 RMSNorm, dot products and softmax."""
+    V = torch.stack([v.double() for v in sources])  # [S, ..., D]
+    K = V / torch.sqrt(V.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    logits = (K * query.double()).sum(-1)  # [S, ...]
+    alpha = torch.softmax(logits, dim=0)
+    return (alpha.unsqueeze(-1) * V).sum(0)
+
+
+def full_attn_res_reference(
+    embedding: torch.Tensor,
+    layers: list[tuple[AttnResRead, Callable, AttnResRead, Callable]],
+    final_read: AttnResRead,
+    eps: float,
+) -> torch.Tensor:
+    """Full AttnRes (no blocks) at layer granularity, written the slow obvious way.
+
+    layers: per layer (attn_read, mixer_fn, ffn_read, ffn_fn), where mixer_fn/ffn_fn map the read h [T, D]
+    to the sublayer output (their pre-norm included). Every layer's output a_l + f_l is its own source;
+    the FFN read of layer l also sees a_l. Returns the final read over [v_0, v_1, ..., v_L].
+    """
+    outputs = [embedding]  # v_0, then v_j = a_j + f_j
+    for attn_read, mixer_fn, ffn_read, ffn_fn in layers:
+        h = attn_res_reference(attn_read.query, attn_read.norm_weight, outputs, eps).to(embedding.dtype)
+        a = mixer_fn(h)
+        h = attn_res_reference(ffn_read.query, ffn_read.norm_weight, [*outputs, a], eps).to(embedding.dtype)
+        f = ffn_fn(h)
+        outputs.append(a + f)
+    return attn_res_reference(final_read.query, final_read.norm_weight, outputs, eps).to(embedding.dtype)

@@ -1,0 +1,29 @@
+"""DenseFFN: the SiTU-GLU feed-forward block of the first `first_k_dense` layers (reusable elsewhere).
+
+    y = W_down · situ_glu(W_gate x, W_up x)          x [T, D], W_gate/W_up [I, D], W_down [D, I]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.activations import situ_glu
+from model.config import OdysseyConfig
+
+
+class DenseFFN(nn.Module):
+    """SiTU-GLU FFN D -> I -> D without biases. `intermediate_size` defaults to config.intermediate_size."""
+
+    def __init__(self, config: OdysseyConfig, intermediate_size: int | None = None,
+                 hidden_size: int | None = None) -> None:
+        super().__init__()
+        d = hidden_size or config.hidden_size
+        i = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> [..., D]."""
+        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x)))

@@ -1,0 +1,408 @@
+"""`OdysseyForCausalLM`: the hybrid KDA / gated-MLA sparse-MoE causal LM with Block Attention Residuals.
+
+Stack (DESIGN.md "Model"; formulas in the module of each component, overview in docs/model.md):
+
+    x_0 = Embed(ids)                                           [T, D]
+    for l in layers:                                           layer_types[l] in {kda, mla}
+        a_l = Mixer_l(RMSNorm(AttnRes_attn,l(sources)))        Mixer = KDAttention | GatedMLA
+        f_l = FFN_l(RMSNorm(AttnRes_ffn,l(sources + a_l)))     FFN = DenseFFN (l < first_k_dense) | LatentMoE
+    h = RMSNorm(AttnRes_final(sources));  logits = W_lm h      untied LM head unless tie_word_embeddings
+
+Inputs are packed without padding: ``input_ids`` [T] with ``cu_seqlens`` int32 [N+1] (N sequences), or
+[B, T] (B equal-length sequences, no cu_seqlens). KDA resets its state at sequence boundaries and MLA
+attends only within a sequence; AttnRes and FFNs are per token. Incremental decoding carries an
+`OdysseyCache` (KDA recurrent + conv state, MLA latent per sequence); row n of the cache is sequence n.
+
+Routing replay: ``replay_experts`` [T, n_moe_layers, k] forces each MoE layer's experts (the axis order is
+`moe_layer_indices`); ``return_routed_experts=True`` returns the experts used, same layout (int64).
+
+Importing this module registers the config/model with `AutoConfig` / `AutoModel` / `AutoModelForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
+from transformers import initialization as init
+from transformers.utils import ModelOutput
+
+from model.attn_res import AttnResRead, AttnResStream, BlockAttnRes
+from model.cache import LayerCache, OdysseyCache
+from model.config import OdysseyConfig
+from model.ffn import DenseFFN
+from model.kda import KDAttention
+from model.mla import GatedMLA
+from model.moe import LatentMoE, Router, aggregate_load_metrics
+from model.norm import RMSNorm
+from model.short_conv import seq_lens_from_cu
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class OdysseyOutput(ModelOutput):
+    """logits [T, V] (or [B, T, V]); cache: the advanced OdysseyCache (None unless cache/use_cache);
+    routed_experts int64 [T, n_moe_layers, k] (None unless requested); aux_loss: summed MoE balancing
+    loss (None unless balancing == "aux_loss"); loss: mean next-token NLL (+ aux_loss) when labels given."""
+
+    logits: torch.Tensor | None = None
+    cache: OdysseyCache | None = None
+    routed_experts: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+
+
+def _is_moe_layer(config: OdysseyConfig, layer_idx: int) -> bool:
+    return config.n_routed_experts > 0 and layer_idx >= config.first_k_dense
+
+
+class OdysseyDecoderLayer(nn.Module):
+    """One layer: AttnRes read -> RMSNorm -> mixer (KDA | MLA); AttnRes read -> RMSNorm -> FFN (dense|MoE)."""
+
+    def __init__(self, config: OdysseyConfig, layer_idx: int) -> None:
+        super().__init__()
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.attn_res = BlockAttnRes(D, layer_idx, config.attn_res_block_size, eps)
+        self.attn_norm = RMSNorm(D, eps)
+        mixer_cls = KDAttention if self.layer_type == "kda" else GatedMLA
+        self.mixer = mixer_cls(config, layer_idx)
+        self.ffn_norm = RMSNorm(D, eps)
+        self.is_moe = _is_moe_layer(config, layer_idx)
+        self.mlp = LatentMoE(config, layer_idx) if self.is_moe else DenseFFN(config)
+
+    def mix(self, h: torch.Tensor, cu_seqlens: torch.Tensor, layer_cache: LayerCache | None,
+            keep_cache: bool) -> tuple[torch.Tensor, LayerCache | None]:
+        """Mixer sublayer on the AttnRes read h [T, D] -> (a [T, D], new layer cache or None)."""
+        x = self.attn_norm(h)
+        if self.layer_type == "kda":
+            a, state = self.mixer(x, cu_seqlens, layer_cache)
+            return a, (state if keep_cache else None)
+        if keep_cache and layer_cache is None:
+            raise ValueError("MLA layer needs its past latents (possibly empty) to build a cache")
+        return self.mixer(x, cu_seqlens, layer_cache)
+
+    def ffn(self, h: torch.Tensor, replay: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """FFN sublayer on the AttnRes read h [T, D] -> (f [T, D], topk_idx [T, k] | None)."""
+        x = self.ffn_norm(h)
+        if self.is_moe:
+            return self.mlp(x, replay)
+        return self.mlp(x), None
+
+    def forward(self, stream: AttnResStream, cu_seqlens: torch.Tensor, layer_cache: LayerCache | None = None,
+                keep_cache: bool = False, replay: torch.Tensor | None = None,
+                ) -> tuple[LayerCache | None, torch.Tensor | None]:
+        """Advance the AttnRes stream by this layer. Returns (new layer cache | None, topk_idx | None)."""
+        a, new_cache = self.mix(self.attn_res.read_attn(stream), cu_seqlens, layer_cache, keep_cache)
+        stream.add(a)
+        f, topk = self.ffn(self.attn_res.read_ffn(stream), replay)
+        stream.add(f)
+        self.attn_res.end_layer(stream)
+        return new_cache, topk
+
+
+class OdysseyPreTrainedModel(PreTrainedModel):
+    config_class = OdysseyConfig
+    config: OdysseyConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["OdysseyDecoderLayer"]
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Normal(0, initializer_range) matrices, unit norms, zero pseudo-queries, KDA A_log = 0 (+ its
+        dt_bias schedule), PyTorch's default for the short conv. Uses transformers.initialization so loaded
+        weights are never overwritten."""
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Conv1d):
+            module.reset_parameters()  # kaiming-uniform taps (torch.nn.init is guarded by transformers here)
+        elif isinstance(module, AttnResRead):
+            init.zeros_(module.query)
+            init.ones_(module.norm_weight)
+        elif "RMSNorm" in type(module).__name__:
+            init.ones_(module.weight)
+        elif isinstance(module, KDAttention):
+            init.zeros_(module.A_log)
+            if not getattr(module.dt_bias, "_is_hf_initialized", False):
+                # initial log-decay log-uniform in [-1, -1e-3] (as KDAttention.reset_gate_parameters)
+                g0 = -torch.exp(torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), 0.0))
+                init.copy_(module.dt_bias, torch.logit(g0 / module.g_min))
+        elif isinstance(module, Router):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, LatentMoE):
+            init.normal_(module.w_gate_up, mean=0.0, std=std)
+            init.normal_(module.w_down_experts, mean=0.0, std=std)
+
+
+class OdysseyModel(OdysseyPreTrainedModel):
+    """Backbone: embedding, decoder layers, final AttnRes read and RMSNorm. forward -> hidden [T, D]."""
+
+    def __init__(self, config: OdysseyConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(OdysseyDecoderLayer(config, l) for l in range(config.num_hidden_layers))
+        self.final_read = AttnResRead(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.moe_layer_indices = [l for l, layer in enumerate(self.layers) if layer.is_moe]
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        cache: OdysseyCache | None = None,
+        replay_experts: torch.Tensor | None = None,
+        return_routed_experts: bool = False,
+    ) -> tuple[torch.Tensor, list[LayerCache] | None, torch.Tensor | None, torch.Tensor | None]:
+        """Packed input_ids [T], cu_seqlens int32 [N+1] -> (hidden [T, D], new layer caches | None,
+        routed_experts [T, n_moe, k] | None, aux_loss | None). Inputs are assumed validated."""
+        stream = AttnResStream([self.embed_tokens(input_ids)])
+        keep = cache is not None
+        new_layers: list[LayerCache] | None = [] if keep else None
+        routed, aux = [], None
+        for l, layer in enumerate(self.layers):
+            replay = None
+            if layer.is_moe and replay_experts is not None:
+                replay = replay_experts[:, self.moe_layer_indices.index(l)]
+            layer_cache, topk = layer(stream, cu_seqlens, cache.layers[l] if keep else None, keep, replay)
+            if keep:
+                new_layers.append(layer_cache)
+            if layer.is_moe:
+                if return_routed_experts:
+                    routed.append(topk)
+                if layer.mlp.aux_loss is not None:
+                    aux = layer.mlp.aux_loss if aux is None else aux + layer.mlp.aux_loss
+        h = self.norm(self.final_read(stream.sources()))
+        routed_t = torch.stack(routed, dim=1) if routed else None
+        return h, new_layers, routed_t, aux
+
+
+def _chunk_logprobs(h: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """log softmax(W h)[target] in fp32 for one chunk: h [c, D], targets [c], W [V, D] -> [c]."""
+    logits = F.linear(h, weight).float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+class OdysseyForCausalLM(OdysseyPreTrainedModel):
+    """Causal LM head over `OdysseyModel`. See the module docstring for the input layout."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: OdysseyConfig) -> None:
+        super().__init__(config)
+        self.model = OdysseyModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    # ---- HF plumbing ----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> OdysseyForCausalLM:
+        """`PreTrainedModel.from_pretrained`, then CPU tensors that safetensors left at unaligned (mmap)
+        addresses are copied to fresh 64-byte-aligned storage: CPU matmul kernels pick their code path by
+        alignment, so without this a reloaded model's logits differ from the saved model's in the last
+        bits."""
+        model = super().from_pretrained(*args, **kwargs)
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.device.type == "cpu" and t.data_ptr() % 64:
+                    t.data = t.data.clone()
+        return model
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @property
+    def moe_layer_indices(self) -> list[int]:
+        """Layer ids with a LatentMoE FFN, in order: the n_moe_layers axis of replay/routed experts."""
+        return list(self.model.moe_layer_indices)
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [self.model.layers[l].mlp for l in self.model.moe_layer_indices]
+
+    # ---- input handling -------------------------------------------------------------------------
+    def _pack(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None, extra: torch.Tensor | None,
+        extra_name: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor | None, tuple | None]:
+        """Validate and flatten to packed form. Returns (ids [T], cu_seqlens int32 [N+1], lens, extra packed,
+        batch shape (B, T) for 2-D input or None)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point:
+            raise ValueError("input_ids must be an integer tensor of token ids, [T] (packed) or [B, T]")
+        batch_shape = None
+        if input_ids.dim() == 2:
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens is only for packed 1-D input_ids [T]; for [B, T] input leave it "
+                                 "None (each row is one sequence)")
+            B, T = input_ids.shape
+            batch_shape = (B, T)
+            input_ids = input_ids.reshape(B * T)
+            cu_seqlens = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=input_ids.device) if T else \
+                torch.zeros(B + 1, dtype=torch.int32, device=input_ids.device)
+            if extra is not None:
+                extra = extra.reshape(B * T, *extra.shape[2:])
+        elif input_ids.dim() == 1:
+            if cu_seqlens is None:
+                cu_seqlens = torch.tensor([0, input_ids.shape[0]], dtype=torch.int32, device=input_ids.device)
+        else:
+            raise ValueError(f"input_ids must be [T] (packed, with cu_seqlens) or [B, T], got shape "
+                             f"{tuple(input_ids.shape)}")
+        lens = seq_lens_from_cu(cu_seqlens, input_ids.shape[0])
+        cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+        if input_ids.numel():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"input_ids hold ids in [{lo}, {hi}] but vocab_size is "
+                                 f"{self.config.vocab_size}; was the tokenizer built for a different model?")
+        if extra is not None and extra.shape[0] != input_ids.shape[0]:
+            raise ValueError(f"{extra_name} must have one row per token ({input_ids.shape[0]}), got "
+                             f"{tuple(extra.shape)}")
+        return input_ids, cu_seqlens, lens, extra, batch_shape
+
+    def _check_replay(self, replay: torch.Tensor | None, T: int) -> None:
+        if replay is None:
+            return
+        n_moe, k = len(self.moe_layer_indices), self.config.num_experts_per_tok
+        if n_moe == 0:
+            raise ValueError("replay_experts given but this model has no MoE layers (n_routed_experts == 0)")
+        if replay.shape != (T, n_moe, k):
+            raise ValueError(f"replay_experts must be [T, n_moe_layers, k] = [{T}, {n_moe}, {k}] (for [B, T] "
+                             f"input: [B, T, {n_moe}, {k}]), got {tuple(replay.shape)}")
+
+    # ---- forward --------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: OdysseyCache | None = None,
+        replay_experts: torch.Tensor | None = None,
+        return_routed_experts: bool = False,
+        labels: torch.Tensor | None = None,
+        use_cache: bool = False,
+    ) -> OdysseyOutput:
+        """input_ids [T] + cu_seqlens int32 [N+1] (or [B, T]) -> OdysseyOutput.
+
+        cache: the N sequences' OdysseyCache (new tokens are appended to row n); use_cache=True with no
+        cache starts from an empty one. The returned cache is new; the given one is left untouched.
+        labels: same shape as input_ids; position t is trained to predict labels[t+1] of the same
+        sequence (HF convention, shifted inside each packed sequence); IGNORE_INDEX (-100) masks a target.
+        """
+        ids, cu, lens, replay, batch_shape = self._pack(input_ids, cu_seqlens, replay_experts,
+                                                        "replay_experts")
+        T = ids.shape[0]
+        self._check_replay(replay, T)
+        if cache is None and use_cache:
+            cache = OdysseyCache.empty(self.config, len(lens), device=ids.device, dtype=self.dtype)
+        if cache is not None and cache.n != len(lens):
+            raise ValueError(f"cache has {cache.n} rows but the input holds {len(lens)} sequences; row n of "
+                             "the cache is sequence n of cu_seqlens (use cache.select / OdysseyCache.concat)")
+        h, new_layers, routed, aux = self.model(ids, cu, cache, replay, return_routed_experts)
+        logits = self.lm_head(h)
+        new_cache = cache.advanced(new_layers, lens) if cache is not None else None
+
+        loss = None
+        if labels is not None:
+            lab = labels.reshape(T).to(ids.device)
+            shifted = torch.full_like(lab, IGNORE_INDEX)
+            if T > 1:
+                shifted[:-1] = lab[1:]
+            ends = cu[1:].long() - 1
+            shifted[ends[ends >= 0]] = IGNORE_INDEX  # never predict across a sequence boundary
+            loss = F.cross_entropy(logits.float(), shifted, ignore_index=IGNORE_INDEX)
+            if aux is not None:
+                loss = loss + aux
+
+        if batch_shape is not None:
+            logits = logits.reshape(*batch_shape, -1)
+            if routed is not None:
+                routed = routed.reshape(*batch_shape, *routed.shape[1:])
+        return OdysseyOutput(logits=logits, cache=new_cache, routed_experts=routed, aux_loss=aux, loss=loss)
+
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        replay_experts: torch.Tensor | None = None,
+        chunk_size: int = 1024,
+    ) -> torch.Tensor:
+        """log p(targets[t] | tokens <= t of t's sequence), fp32, shaped like input_ids.
+
+        targets: same shape as input_ids, the token to score at each position (usually the next token).
+        The LM head and log-softmax run over chunks of `chunk_size` positions, under activation
+        checkpointing when gradients are on, so at most one [chunk_size, V] logits block exists at a time
+        (forward and backward).
+        """
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if targets.shape != input_ids.shape:
+            raise ValueError(f"targets must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(targets.shape)}")
+        ids, cu, _, replay, batch_shape = self._pack(input_ids, cu_seqlens, replay_experts, "replay_experts")
+        T = ids.shape[0]
+        self._check_replay(replay, T)
+        tg = targets.reshape(T).to(device=ids.device, dtype=torch.long)
+        if T and (int(tg.min()) < 0 or int(tg.max()) >= self.config.vocab_size):
+            raise ValueError(f"targets must be token ids in [0, {self.config.vocab_size}); mask positions "
+                             "you do not score after the call instead of passing -100")
+        h, _, _, _ = self.model(ids, cu, None, replay, False)
+        w = self.lm_head.weight
+        out = []
+        for s in range(0, T, chunk_size):
+            hc, tc = h[s:s + chunk_size], tg[s:s + chunk_size]
+            if torch.is_grad_enabled() and (hc.requires_grad or w.requires_grad):
+                out.append(checkpoint(_chunk_logprobs, hc, tc, w, use_reentrant=False))
+            else:
+                out.append(_chunk_logprobs(hc, tc, w))
+        lp = torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
+        return lp.reshape(batch_shape) if batch_shape is not None else lp
+
+    # ---- MoE hooks ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_router_biases(self) -> None:
+        """Apply every MoE layer's pending balancing-bias update (call right after optimizer.step())."""
+        for moe in self.moe_layers():
+            moe.update_bias()
+
+    def expert_load_metrics(self) -> dict[str, Any]:
+        """Expert-load metrics of the last step for logging: per layer ("moe/layer{l}/<metric>", layer index l
+        as in moe_layer_indices) plus summaries over layers (see model.moe.aggregate_load_metrics)."""
+        if not self.moe_layer_indices:
+            return {}
+        per_layer = {l: self.model.layers[l].mlp.load_metrics() for l in self.moe_layer_indices}
+        return aggregate_load_metrics(per_layer)
+
+
+AutoConfig.register(OdysseyConfig.model_type, OdysseyConfig, exist_ok=True)
+AutoModel.register(OdysseyConfig, OdysseyModel, exist_ok=True)
+AutoModelForCausalLM.register(OdysseyConfig, OdysseyForCausalLM, exist_ok=True)

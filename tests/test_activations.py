@@ -1,0 +1,46 @@
+"""SiTU-GLU: the formula, the output bound, and agreement with SwiGLU near 0 (model/activations.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from model.activations import situ_glu
+
+
+def test_formula_matches_design_in_float64():
+    # DESIGN.md: 4*tanh(G/4)*sigmoid(G) * 25*tanh(U/25); checked elementwise in fp64 (tolerance 1e-12).
+    g = torch.linspace(-50, 50, 1001, dtype=torch.float64)
+    u = torch.linspace(-300, 300, 1001, dtype=torch.float64).flip(0)
+    expected = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+    torch.testing.assert_close(situ_glu(g, u), expected, atol=1e-12, rtol=0)
+    # custom betas enter the same places
+    torch.testing.assert_close(
+        situ_glu(g, u, beta_gate=2.0, beta_up=3.0),
+        2 * torch.tanh(g / 2) * torch.sigmoid(g) * 3 * torch.tanh(u / 3),
+        atol=1e-12,
+        rtol=0,
+    )
+
+
+def test_output_bounded_by_100_with_finite_gradients():
+    g = (torch.randn(10000) * 1e4).requires_grad_()
+    u = (torch.randn(10000) * 1e4).requires_grad_()
+    out = situ_glu(g, u)
+    assert out.abs().max() <= 100.0
+    out.sum().backward()
+    assert torch.isfinite(g.grad).all() and torch.isfinite(u.grad).all()
+    # the bound is approached: large positive gate and large |up|
+    assert situ_glu(torch.tensor(1e3), torch.tensor(-1e3)).item() < -99.9
+
+
+def test_close_to_swiglu_near_zero():
+    # b*tanh(x/b) = x - x^3/(3 b^2) + ...: for |x| <= 0.5 the relative gap to SiLU(G)*U is < 1%,
+    # and for |x| <= 0.05 it is < 1e-4.
+    torch.manual_seed(0)
+    for scale, tol in ((0.5, 1e-2), (0.05, 1e-4)):
+        g = (torch.rand(4096, dtype=torch.float64) * 2 - 1) * scale
+        u = (torch.rand(4096, dtype=torch.float64) * 2 - 1) * scale
+        swiglu = F.silu(g) * u
+        rel = (situ_glu(g, u) - swiglu).abs() / swiglu.abs().clamp_min(1e-300)
+        assert rel.max() < tol, (scale, rel.max())
