@@ -1,0 +1,493 @@
+"""Inference engines for rollouts: the `InferenceEngine` protocol and `TorchEngine`, its reference.
+
+An engine turns `GenerationRequest`s into `GenerationResult`s:
+
+    request: prompt_ids (the tokens to append: a whole prompt, or on a later turn of the same
+             conversation only the new observation tokens), SamplingParams, optional Session
+    result:  token_ids [n_new], logprobs [n_new] (of the distribution actually sampled from, see
+             rl/rollout/sampling.py), routed experts of every fed token (R3):
+             prompt_routed_experts [n_prompt, n_moe_layers, k] and routed_experts [n_new, n_moe_layers, k],
+             finish_reason "stop_token" | "stop_string" | "length", and the Session to continue from.
+
+Sessions (multi-turn continuation): the Session returned with a result holds the model cache of the
+whole conversation so far (prompt + generated tokens, the last generated token included), so the
+next turn's request carries only the new tokens and nothing is re-run. A session's cache is tied to
+the weights it was computed with (`Session.weight_version`).
+
+TorchEngine: OdysseyForCausalLM in fp32 (CPU or GPU), no padding anywhere:
+- prefill is packed (cu_seqlens) and chunked: at most `prefill_chunk_size` tokens per forward, with
+  logits only at the positions that are sampled from, so a 100K-token observation never builds a
+  [T, T] or [T, vocab] tensor (the model's packed forward is causal per sequence, so chunked
+  prefill over the cache equals one pass: tested);
+- decode is batched and continuous: each step feeds one token per running sequence
+  (input_ids [N], cu_seqlens = 0..N, cache rows = sequences), sequences join after their prefill
+  and leave when finished (OdysseyCache.concat / .select);
+- a sequence that stops is fed its last token once more ("flush") before leaving, so its cache
+  holds every token and the routed experts of every generated token are recorded;
+- sampling draws from a per-request torch.Generator: tokens do not depend on batch composition.
+
+Concurrency: many episodes share one batched engine through `await engine.agenerate(request)`; a
+single asyncio serving task gathers pending requests and steps them with the running ones in a
+worker thread (the event loop stays free for sandbox I/O). `generate(requests)` is the blocking
+twin for scripts and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from rl.rollout.sampling import SamplingParams, make_generator, sample_tokens
+
+FinishReason = Literal["stop_token", "stop_string", "length"]
+
+
+@dataclass
+class Session:
+    """Engine-side state of one conversation: the cache row holding every token fed so far.
+
+    cache: model cache with one row (None until the first request). num_tokens: tokens it holds.
+    next_logits [V]: next-token logits after the last fed token (lets a request with no new tokens
+    continue). weight_version: the weights the cache was computed with.
+    """
+
+    cache: Any = None
+    num_tokens: int = 0
+    next_logits: torch.Tensor | None = None
+    weight_version: int = 0
+    busy: bool = False
+
+
+@dataclass
+class GenerationRequest:
+    """prompt_ids: tokens to append before generating (whole prompt, or only the new tokens when
+    continuing `session`). sampling: decoding parameters. session: None starts a new conversation."""
+
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    session: Session | None = None
+    request_id: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str | None
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    prompt_routed_experts: np.ndarray | None  # uint16 [n_prompt, n_moe_layers, k]
+    routed_experts: np.ndarray | None  # uint16 [n_new, n_moe_layers, k]
+    session: Session
+    weight_version: int
+    prompt_len: int = 0
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """What the agent loop and the rollout worker need from an engine (TorchEngine, vLLM plugin)."""
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]: ...
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResult: ...
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def release(self, session: Session) -> None: ...
+
+    @property
+    def weight_version(self) -> int: ...
+
+
+class _Seq:
+    """One request in flight."""
+
+    __slots__ = (
+        "req",
+        "params",
+        "gen",
+        "session",
+        "todo",
+        "pos",
+        "cache",
+        "prompt_routed",
+        "tokens",
+        "logprobs",
+        "routed",
+        "finish",
+        "flushing",
+        "last_logits",
+        "future",
+        "t0",
+    )
+
+    def __init__(self, req: GenerationRequest, seed: int, new_session: Session):
+        self.req = req
+        self.params = req.sampling
+        self.gen = make_generator(seed)
+        self.session = req.session if req.session is not None else new_session
+        self.todo = list(map(int, req.prompt_ids))
+        self.pos = 0  # tokens of `todo` already prefilled
+        self.cache = self.session.cache
+        self.prompt_routed: list[torch.Tensor] = []
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.routed: list[torch.Tensor] = []
+        self.finish: FinishReason | None = None
+        self.flushing = False
+        self.last_logits: torch.Tensor | None = self.session.next_logits if not self.todo else None
+        self.future: asyncio.Future | None = None
+        self.t0 = time.perf_counter()
+
+
+def _cat_routing(parts: list[torch.Tensor]) -> np.ndarray | None:
+    if not parts:
+        return None
+    r = torch.cat(parts, 0)
+    return r.to(torch.int32).numpy().astype(np.uint16)
+
+
+class TorchEngine:
+    """Reference engine on `OdysseyForCausalLM` (see the module docstring).
+
+    model: an OdysseyForCausalLM (put in eval mode here). detokenize: ids -> text, needed only for
+    stop strings. max_batch_size: most sequences decoded together. prefill_chunk_size: most tokens per
+    prefill forward. seed: base of the seeds drawn for requests that give none.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        detokenize: Callable[[list[int]], str] | None = None,
+        max_batch_size: int = 64,
+        prefill_chunk_size: int = 2048,
+        seed: int = 0,
+        weight_version: int = 0,
+    ):
+        if max_batch_size < 1 or prefill_chunk_size < 1:
+            raise ValueError("max_batch_size and prefill_chunk_size must be >= 1")
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.config = model.config
+        self.detokenize = detokenize
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk_size = prefill_chunk_size
+        self._seed_seq = itertools.count()
+        self._base_seed = seed
+        self._version = weight_version
+        self._lock = threading.Lock()  # one forward at a time; weight updates wait for the step
+        self._moe = len(getattr(model, "moe_layer_indices", []) or []) > 0
+        # async serving state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: list[_Seq] = []
+        self._running: list[_Seq] = []
+        self._batch_cache: Any = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.stats = {
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "forwards": 0,
+            "forward_s": 0.0,
+            "requests": 0,
+            "max_batch": 0,
+        }
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load new policy weights between decode steps (later steps use them). The keys must match the
+        model's state_dict exactly; nothing is loaded otherwise. Open sessions keep caches computed with
+        the old weights (`Session.weight_version` tells which)."""
+        expected = set(self.model.state_dict())
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"update_weights: state_dict does not match the model: missing={missing[:5]} "
+                f"unexpected={unexpected[:5]} (pass model.state_dict() of the same config)"
+            )
+        with self._lock, torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=True)
+            self._version = int(version)
+
+    def release(self, session: Session) -> None:
+        """Drop a conversation's cache (the agent loop calls this when an episode ends)."""
+        session.cache = None
+        session.next_logits = None
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Blocking: run `requests` to completion with continuous batching; results in request order."""
+        seqs = [self._new_seq(r) for r in requests]
+        pending, running, cache = list(seqs), [], None
+        while pending or running:
+            free = self.max_batch_size - len(running)
+            joining, pending = pending[:free], pending[free:]
+            running, cache, _ = self._step(running, cache, joining)
+        return [self._result(s) for s in seqs]
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResult:
+        """Awaitable single request; concurrent callers are decoded together in one batch."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._task is None or self._task.done():
+            if self._running or self._pending:
+                raise RuntimeError("TorchEngine is serving requests on another event loop")
+            self._loop, self._wake = loop, asyncio.Event()
+            self._task = loop.create_task(self._serve())
+        seq = self._new_seq(request)
+        seq.future = loop.create_future()
+        self._pending.append(seq)
+        self._wake.set()
+        return await seq.future
+
+    async def aclose(self) -> None:
+        """Stop the serving task; requests still in flight fail with RuntimeError("engine closed")."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._task = None
+        for s in self._running + self._pending:
+            s.session.busy = False
+            if s.future is not None and not s.future.done():
+                s.future.set_exception(RuntimeError("TorchEngine closed while this request was in flight"))
+        self._running, self._pending, self._batch_cache = [], [], None
+
+    # ------------------------------------------------------------------ serving loop
+    async def _serve(self) -> None:
+        assert self._wake is not None
+        while True:
+            if not self._running and not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+            free = self.max_batch_size - len(self._running)
+            joining, self._pending = self._pending[:free], self._pending[free:]
+            try:
+                running, cache, finished = await asyncio.to_thread(
+                    self._step, self._running, self._batch_cache, joining
+                )
+            except Exception as err:  # fail every request in flight, keep serving new ones
+                for s in self._running + joining:
+                    if s.future is not None and not s.future.done():
+                        s.future.set_exception(err)
+                    s.session.busy = False
+                self._running, self._batch_cache = [], None
+                continue
+            self._running, self._batch_cache = running, cache
+            for s in finished:
+                if s.future is not None and not s.future.done():
+                    s.future.set_result(self._result(s))
+
+    # ------------------------------------------------------------------ core
+    def _new_seq(self, req: GenerationRequest) -> _Seq:
+        if req.session is not None and req.session.busy:
+            raise RuntimeError("this session already has a request in flight; await it before continuing")
+        if not req.prompt_ids and (req.session is None or req.session.next_logits is None):
+            raise ValueError(
+                "GenerationRequest.prompt_ids is empty and there is no session to continue: "
+                "give at least one prompt token"
+            )
+        if req.sampling.stop_strings and self.detokenize is None:
+            raise ValueError(
+                "stop_strings need a detokenizer: TorchEngine(model, detokenize=tokenizer.decode)"
+            )
+        seed = req.sampling.seed
+        if seed is None:
+            seed = hash((self._base_seed, next(self._seed_seq))) & 0x7FFFFFFF
+        seq = _Seq(req, seed, Session(weight_version=self._version))
+        seq.session.busy = True
+        self.stats["requests"] += 1
+        return seq
+
+    def _result(self, s: _Seq) -> GenerationResult:
+        s.session.busy = False
+        return GenerationResult(
+            request_id=s.req.request_id,
+            token_ids=list(s.tokens),
+            logprobs=list(s.logprobs),
+            finish_reason=s.finish or "length",
+            prompt_routed_experts=_cat_routing(s.prompt_routed),
+            routed_experts=_cat_routing(s.routed),
+            session=s.session,
+            weight_version=self._version,
+            prompt_len=len(s.todo),
+        )
+
+    def _forward(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: Any, logit_index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """One packed forward on the model's device. Returns (logits [len(logit_index), V] fp32 on CPU,
+        routed [T, L, k] on CPU | None, cache on the model's device)."""
+        t0 = time.perf_counter()
+        dev = self.device
+        logits, routed, cache = _packed_forward(
+            self.model, input_ids.to(dev), cu_seqlens.to(dev), cache, logit_index.to(dev), self._moe
+        )
+        self.stats["forwards"] += 1
+        self.stats["forward_s"] += time.perf_counter() - t0
+        return logits.cpu(), (routed.cpu() if routed is not None else None), cache
+
+    def _step(
+        self, running: list[_Seq], cache: Any, joining: list[_Seq]
+    ) -> tuple[list[_Seq], Any, list[_Seq]]:
+        """Prefill `joining`, then one decode step over everyone. Returns (running, batch cache, finished)."""
+        finished: list[_Seq] = []
+        with self._lock, torch.inference_mode():
+            if joining:
+                self._prefill(joining)
+                firsts = [s for s in joining if s.params.max_new_tokens > 0]
+                for s in joining:
+                    if s.params.max_new_tokens == 0:  # prefill only
+                        s.finish = "length"
+                        self._leave(s, s.cache, s.last_logits)
+                        finished.append(s)
+                if firsts:
+                    self._sample(firsts, torch.stack([s.last_logits for s in firsts]))
+                    cache = _concat(
+                        [cache] + [s.cache for s in firsts] if running else [s.cache for s in firsts]
+                    )
+                    running = running + firsts
+                    for s in firsts:
+                        s.cache = None
+            if not running:
+                return [], None, finished
+            self.stats["max_batch"] = max(self.stats["max_batch"], len(running))
+            # decode: feed each sequence's last sampled token
+            n = len(running)
+            ids = torch.tensor([s.tokens[-1] for s in running], dtype=torch.long)
+            cu = torch.arange(n + 1, dtype=torch.int32)
+            logits, routed, cache = self._forward(ids, cu, cache, torch.arange(n))
+            self.stats["decode_tokens"] += n
+            sampling = []
+            for i, s in enumerate(running):
+                if routed is not None:
+                    s.routed.append(routed[i : i + 1])
+                if not s.flushing:
+                    sampling.append(i)
+            if sampling:
+                self._sample([running[i] for i in sampling], logits[sampling])
+            keep = []
+            for i, s in enumerate(running):
+                if s.flushing and len(s.routed) == len(s.tokens):
+                    self._leave(s, _select(cache, [i]), logits[i])
+                    finished.append(s)
+                else:
+                    keep.append(i)
+            if len(keep) < n:
+                cache = _select(cache, keep) if keep else None
+                running = [running[i] for i in keep]
+        return running, cache, finished
+
+    def _leave(self, s: _Seq, cache_row: Any, next_logits: torch.Tensor | None) -> None:
+        sess = s.session
+        sess.cache = cache_row
+        sess.num_tokens += len(s.todo) + len(s.tokens)
+        sess.next_logits = next_logits
+        sess.weight_version = self._version
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        tokens, lps = sample_tokens(logits, [s.params for s in seqs], [s.gen for s in seqs])
+        for s, t, lp in zip(seqs, tokens.tolist(), lps.tolist()):
+            s.tokens.append(t)
+            s.logprobs.append(lp)
+            p = s.params
+            if t in p.stop_token_ids:
+                s.finish = "stop_token"
+            elif p.stop_strings and self._hit_stop_string(s):
+                s.finish = "stop_string"
+            elif len(s.tokens) >= p.max_new_tokens:
+                s.finish = "length"
+            if s.finish is not None:
+                s.flushing = True
+
+    def _hit_stop_string(self, s: _Seq) -> bool:
+        longest = max(len(x) for x in s.params.stop_strings)
+        tail = self.detokenize(s.tokens[-(longest + 4) :])
+        return any(x in tail for x in s.params.stop_strings)
+
+    def _prefill(self, seqs: list[_Seq]) -> None:
+        """Packed, chunked prefill: each forward holds at most prefill_chunk_size tokens in total."""
+        for s in seqs:
+            if s.cache is None and s.todo:
+                s.cache = _empty_cache(self.model, 1)
+        active = [s for s in seqs if s.pos < len(s.todo)]
+        while active:
+            budget, parts = self.prefill_chunk_size, []
+            for s in active:
+                if budget == 0:
+                    break
+                n = min(len(s.todo) - s.pos, budget)
+                parts.append((s, n))
+                budget -= n
+            ids = torch.tensor([t for s, n in parts for t in s.todo[s.pos : s.pos + n]], dtype=torch.long)
+            lens = torch.tensor([n for _, n in parts])
+            cu = torch.zeros(len(parts) + 1, dtype=torch.int32)
+            cu[1:] = torch.cumsum(lens, 0)
+            done = [i for i, (s, n) in enumerate(parts) if s.pos + n == len(s.todo)]
+            logit_index = (cu[1:][done] - 1).long()
+            cache = _concat([s.cache for s, _ in parts]) if len(parts) > 1 else parts[0][0].cache
+            logits, routed, cache = self._forward(ids, cu, cache, logit_index)
+            self.stats["prefill_tokens"] += int(lens.sum())
+            for i, (s, n) in enumerate(parts):
+                s.cache = _select(cache, [i]) if len(parts) > 1 else cache
+                if routed is not None:
+                    s.prompt_routed.append(routed[int(cu[i]) : int(cu[i + 1])])
+                s.pos += n
+            for j, i in enumerate(done):
+                parts[i][0].last_logits = logits[j]
+            active = [s for s in active if s.pos < len(s.todo)]
+
+
+# ---------------------------------------------------------------------- model adapters
+def _empty_cache(model: torch.nn.Module, n: int) -> Any:
+    from model.cache import OdysseyCache
+
+    p = next(model.parameters())
+    return OdysseyCache.empty(model.config, n, device=p.device, dtype=p.dtype)
+
+
+def _concat(caches: list[Any]) -> Any:
+    if len(caches) == 1:
+        return caches[0]
+    from model.cache import OdysseyCache
+
+    return OdysseyCache.concat(caches)
+
+
+def _select(cache: Any, indices: list[int]) -> Any:
+    return cache.select(indices)
+
+
+def _packed_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cache: Any,
+    logit_index: torch.Tensor,
+    moe: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """Packed forward returning logits only at `logit_index` (positions in input_ids): [len, V] fp32.
+
+    Runs the backbone (`model.model`: hidden [T, D]) and applies the LM head to the selected rows only,
+    so a prefill chunk never builds [T, vocab]. Returns (logits, routed [T, n_moe, k] | None, new cache).
+    """
+    backbone = getattr(model, "model", None)
+    if backbone is None or not hasattr(model, "lm_head"):  # not an OdysseyForCausalLM: full forward
+        out = model(input_ids, cu_seqlens=cu_seqlens, cache=cache, return_routed_experts=moe)
+        return out.logits[logit_index].float(), (out.routed_experts if moe else None), out.cache
+    h, new_layers, routed, _ = backbone(input_ids, cu_seqlens, cache, None, moe)
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    logits = model.lm_head(h[logit_index]).float()
+    return logits, routed, cache.advanced(new_layers, lens)

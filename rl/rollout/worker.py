@@ -1,0 +1,376 @@
+"""`RolloutWorker`: one engine, one sandbox pool, many concurrent episodes -> scored, stored trajectories.
+
+    worker = RolloutWorker(settings, worker_id=0)          # in-process (tests, scripts)
+    report = asyncio.run(worker.run([0, 1, 2, 3]))         # episode indices -> seeds
+
+    actor = ray.remote(RolloutWorker).remote(settings, 0)  # the same class as a Ray (async) actor
+    ray.get(actor.run.remote([0, 1, 2, 3]))
+
+Episodes run as asyncio tasks (at most `settings.concurrency` at once) that share one batched engine
+(`engine.agenerate`), so their decode steps are batched together while others wait on the sandbox.
+Each finished episode is scored with `rewards.compose` (configured specs), appended to the
+`TrajectoryStore` at once (nothing waits for the batch; a crash loses at most episodes in flight),
+and counted in the worker's statistics. Every episode index yields exactly one stored trajectory:
+failures come back as trajectories marked `infra_error` (see agent_loop.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
+from rl.trajectory import Trajectory, TrajectoryStore
+
+
+@dataclass
+class WorkerSettings:
+    """Everything a worker needs (plain data: pickled to Ray actors). Built from a RunConfig by
+    `rl.rollout.cli.settings_from_config`.
+
+    env_id / env_kwargs: `envs.make(env_id, sandbox_pool=..., **env_kwargs)`.
+    model_preset / model_overrides / checkpoint / dtype: the policy (checkpoint dir wins when set;
+    otherwise a freshly initialised preset seeded with `init_seed`, so every worker holds the same
+    weights). seed: episode seeds derive from it (`episode_seed`).
+    episode: budgets and decoding. concurrency: episodes in flight per worker. shared_pool: the worker
+    starts one shared SandboxPool of `sandbox_pool_size` (default: concurrency) on `sandbox_image`
+    (None = default) when the env uses sandboxes; False = each env leases from its own pool.
+    rewards: reward specs for rewards.compose ([] = leave unscored). store_dir: TrajectoryStore root.
+    """
+
+    env_id: str = "arith"
+    env_kwargs: dict = field(default_factory=dict)
+    model_preset: str = "tiny"
+    model_overrides: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+    dtype: str = "float32"
+    init_seed: int = 0
+    seed: int = 0
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    concurrency: int = 8
+    shared_pool: bool = True
+    sandbox_pool_size: int | None = None
+    sandbox_image: str | None = None
+    rewards: list = field(default_factory=list)
+    store_dir: str | None = None
+    max_batch_size: int = 64
+    prefill_chunk_size: int = 2048
+    torch_threads: int | None = None
+
+    def episode_seed(self, index: int) -> int:
+        """Seed of global episode `index` (the env's task and the sampling seeds derive from it)."""
+        return int(self.seed) * 1_000_003 + int(index)
+
+    @classmethod
+    def from_config(cls, cfg: Any, store_dir: str | None = None) -> WorkerSettings:
+        """From an `rl.config.RunConfig`: env, model (init seed = learner.seed), rollout budgets and
+        sampling, sandbox pool (rollout.sandbox_pool_size 0 = each env makes its own), rewards."""
+        r = cfg.rollout
+        env_kwargs = dict(cfg.env.kwargs)
+        env_kwargs.setdefault("max_turns", r.max_turns)
+        return cls(
+            env_id=cfg.env.id,
+            env_kwargs=env_kwargs,
+            model_preset=cfg.model.preset,
+            model_overrides=dict(cfg.model.overrides),
+            checkpoint=cfg.model.init_from,
+            dtype=cfg.model.dtype,
+            init_seed=cfg.learner.seed,
+            seed=r.seed,
+            episode=EpisodeConfig(
+                max_new_tokens=r.max_new_tokens,
+                max_episode_tokens=r.max_tokens,
+                max_turns=r.max_turns,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                top_k=r.top_k,
+            ),
+            concurrency=r.concurrent_episodes,
+            shared_pool=r.sandbox_pool_size > 0,
+            sandbox_pool_size=r.sandbox_pool_size,
+            sandbox_image=r.sandbox_image,
+            rewards=[e.model_dump(exclude_none=True) for e in cfg.rewards],
+            store_dir=store_dir,
+            max_batch_size=max(64, r.concurrent_episodes),
+        )
+
+
+def build_policy(settings: WorkerSettings) -> Any:
+    """The policy in eval mode: from `checkpoint`, or a preset initialised with seed `settings.init_seed`."""
+    import torch
+
+    from model.config import OdysseyConfig
+    from model.modeling import OdysseyForCausalLM
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
+    if settings.checkpoint:
+        model = OdysseyForCausalLM.from_pretrained(settings.checkpoint, dtype=dtype)
+    else:
+        cfg = OdysseyConfig.from_preset(settings.model_preset, **settings.model_overrides)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(settings.init_seed)
+            model = OdysseyForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+@dataclass
+class WorkerReport:
+    """Statistics of one `run` (summed over its episodes; merged across workers by `merge`)."""
+
+    episodes: int = 0
+    tokens: int = 0
+    generated_tokens: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    infra_errors: int = 0
+    reward_errors: int = 0
+    terminated: int = 0
+    truncated: int = 0
+    successes: float = 0.0
+    wall_s: float = 0.0
+    engine_forward_s: float = 0.0
+    reward_sums: dict[str, float] = field(default_factory=dict)
+    reward_counts: dict[str, int] = field(default_factory=dict)
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    infra_examples: list[str] = field(default_factory=list)
+    workers: int = 1
+
+    def add(self, t: Trajectory) -> None:
+        self.episodes += 1
+        self.tokens += t.n_tokens
+        self.generated_tokens += t.n_generated
+        self.turns += t.n_assistant_turns
+        for info in t.step_infos:
+            self.tool_calls += len(info.get("tool_calls") or [])
+            self.tool_errors += len(info.get("tool_errors") or [])
+        if t.infra_error:
+            self.infra_errors += 1
+            if len(self.infra_examples) < 3:
+                self.infra_examples.append(t.infra_error[:300])
+        self.reward_errors += bool(t.reward_error)
+        self.terminated += bool(t.terminated and not t.infra_error)
+        self.truncated += bool(t.truncated)
+        self.successes += float(t.outcome or 0.0)
+        for k, v in t.rewards.items():
+            self.reward_sums[k] = self.reward_sums.get(k, 0.0) + v
+            self.reward_counts[k] = self.reward_counts.get(k, 0) + 1
+        for r in t.metadata.get("finish_reasons", []):
+            self.finish_reasons[r] = self.finish_reasons.get(r, 0) + 1
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        out = WorkerReport()
+        for k, v in asdict(self).items():
+            w = getattr(other, k)
+            if isinstance(v, dict):
+                merged = dict(v)
+                for kk, vv in w.items():
+                    merged[kk] = merged.get(kk, 0) + vv
+                setattr(out, k, merged)
+            elif isinstance(v, list):
+                setattr(out, k, (v + w)[:3])
+            elif k == "wall_s":
+                out.wall_s = max(v, w)  # workers run in parallel
+            else:
+                setattr(out, k, v + w)
+        return out
+
+    def reward_means(self) -> dict[str, float]:
+        return {k: self.reward_sums[k] / self.reward_counts[k] for k in sorted(self.reward_sums)}
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated (sampled) tokens per second of wall time."""
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tokens_per_s=self.tokens_per_s, reward_means=self.reward_means())
+        return d
+
+
+class RolloutWorker:
+    """Runs episodes concurrently on one engine. Usable in-process or as a Ray actor.
+
+    settings: WorkerSettings. worker_id: names this worker in trajectory metadata.
+    engine / env_factory / sandbox_pool: injected for tests (defaults: a TorchEngine on
+    `build_policy(settings)`, `envs.make` on a SandboxPool the worker owns).
+    """
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        worker_id: int = 0,
+        *,
+        engine: Any = None,
+        env_factory: Callable[[Any], Any] | None = None,
+        sandbox_pool: Any = None,
+        tokenizer: Any = None,
+    ):
+        import torch
+
+        self.settings = settings
+        self.worker_id = worker_id
+        if settings.torch_threads:
+            torch.set_num_threads(int(settings.torch_threads))
+        if tokenizer is None:
+            from model.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer()
+        self.codec = ChatCodec(tokenizer)
+        if engine is None:
+            from rl.rollout.engine import TorchEngine
+
+            engine = TorchEngine(
+                build_policy(settings),
+                detokenize=self.codec.decode,
+                max_batch_size=settings.max_batch_size,
+                prefill_chunk_size=settings.prefill_chunk_size,
+                seed=settings.seed,
+            )
+        self.engine = engine
+        self._env_factory = env_factory
+        self._pool = sandbox_pool
+        self._own_pool = False
+        self.store = TrajectoryStore(settings.store_dir) if settings.store_dir else None
+        self._specs = None
+        if settings.rewards:
+            from rewards import validate_reward_specs
+
+            self._specs = validate_reward_specs(settings.rewards)
+        self._done = 0
+        self._in_flight = 0
+        self._report = WorkerReport()
+
+    # ------------------------------------------------------------------ env + sandbox
+    async def _ensure_pool(self) -> None:
+        """Start the shared SandboxPool once, if configured and the env actually uses sandboxes."""
+        s = self.settings
+        if self._pool is not None or not s.shared_pool:
+            return
+        probe = self.make_env()  # constructing an env leases nothing
+        uses = bool(getattr(probe, "uses_sandbox", False))
+        probe.close()
+        if not uses:
+            return
+        from sandbox.image import DEFAULT_IMAGE
+        from sandbox.pool import SandboxPool
+
+        size = s.sandbox_pool_size or s.concurrency
+        self._pool = SandboxPool(size=max(1, size), image=s.sandbox_image or DEFAULT_IMAGE)
+        self._own_pool = True
+        await self._pool.start()
+
+    def make_env(self) -> Any:
+        if self._env_factory is not None:
+            return self._env_factory(self._pool)
+        import envs
+
+        kwargs = dict(self.settings.env_kwargs)
+        kwargs.setdefault("tools_in_prompt", False)  # the chat template renders the tool schemas
+        if self.settings.sandbox_image and self._pool is None:
+            kwargs.setdefault("sandbox_image", self.settings.sandbox_image)
+        return envs.make(self.settings.env_id, sandbox_pool=self._pool, **kwargs)
+
+    # ------------------------------------------------------------------ episodes
+    async def run_one(self, index: int) -> Trajectory:
+        """One episode (global index `index`): play, score, store. Always returns a trajectory."""
+        s = self.settings
+        seed = s.episode_seed(index)
+        meta = {"episode_index": int(index), "worker_id": self.worker_id}
+        try:
+            env = self.make_env()
+        except Exception as e:  # the env cannot even be built: still a marked, stored record
+            traj = _empty_failed(
+                f"env construction: {type(e).__name__}: {e}", seed, meta, s.env_id, self.engine.weight_version
+            )
+        else:
+            traj = await run_episode(self.engine, env, self.codec, s.episode, seed=seed, metadata=meta)
+        if self._specs:
+            from rewards import compose
+
+            compose(traj, self._specs)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.append, traj)
+        self._report.add(traj)
+        return traj
+
+    async def run(self, indices: Sequence[int], return_trajectories: bool = False) -> dict:
+        """Run episodes `indices` (at most `concurrency` at once). Returns the report dict (and the
+        trajectories under "trajectories" when asked; in-process use)."""
+        t0 = time.perf_counter()
+        f0 = self.engine.stats.get("forward_s", 0.0) if hasattr(self.engine, "stats") else 0.0
+        self._report = WorkerReport()
+        await self._ensure_pool()
+        sem = asyncio.Semaphore(max(1, self.settings.concurrency))
+        trajs: list[Trajectory | None] = [None] * len(indices)
+
+        async def one(j: int, idx: int) -> None:
+            async with sem:
+                self._in_flight += 1
+                try:
+                    trajs[j] = await self.run_one(idx)
+                except Exception:  # scoring/storing bugs: surface, but after the other episodes
+                    traceback.print_exc()
+                    raise
+                finally:
+                    self._in_flight -= 1
+                    self._done += 1
+
+        results = await asyncio.gather(*(one(j, i) for j, i in enumerate(indices)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        self._report.wall_s = time.perf_counter() - t0
+        if hasattr(self.engine, "stats"):
+            self._report.engine_forward_s = self.engine.stats.get("forward_s", 0.0) - f0
+        if errors:
+            raise RuntimeError(
+                f"worker {self.worker_id}: {len(errors)} episodes could not be stored: {errors[0]!r}"
+            )
+        out = self._report.to_dict()
+        if return_trajectories:
+            out["trajectories"] = trajs
+        return out
+
+    async def progress(self) -> dict:
+        """Live counters (the driver polls this for its progress bar)."""
+        r = self._report
+        return {
+            "done": self._done,
+            "in_flight": self._in_flight,
+            "generated_tokens": r.generated_tokens,
+            "infra_errors": r.infra_errors,
+            "tool_errors": r.tool_errors,
+        }
+
+    async def update_weights(self, state_dict: dict, version: int) -> None:
+        self.engine.update_weights(state_dict, version)
+
+    async def close(self) -> None:
+        if hasattr(self.engine, "aclose"):
+            await self.engine.aclose()
+        if self._own_pool and self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    async def ping(self) -> int:
+        return self.worker_id
+
+
+def _empty_failed(err: str, seed: int, meta: dict, env_id: str, version: int) -> Trajectory:
+    return Trajectory(
+        tokens=np.zeros(0, np.int32),
+        loss_mask=np.zeros(0, np.uint8),
+        rollout_logprobs=np.zeros(0, np.float32),
+        routed_experts=None,
+        turns=[],
+        step_infos=[],
+        terminated=True,
+        infra_error=err,
+        metadata={**meta, "seed": seed, "env_id": env_id, "policy_version": int(version)},
+    )

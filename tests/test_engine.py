@@ -1,0 +1,273 @@
+"""TorchEngine and sampling: oracle tests against slow obvious references.
+
+- sampling: filter_logits vs a per-row Python reference; the sampler's empirical distribution vs the
+  filtered probabilities; batch composition never changes a row's draw.
+- engine: trainer/inference parity (token_logprobs == rollout logprobs, fp32, T = 1), R3 parity (recorded
+  routing == a full forward's), continuous batching == one-at-a-time decoding, chunked prefill == one
+  pass (and no forward over more than a chunk, LM head only on sampled positions), session continuation
+  == re-running the whole history, stop tokens / strings / length, async batching, weight updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from model.config import OdysseyConfig
+from model.modeling import OdysseyForCausalLM
+from rl.rollout.engine import GenerationRequest, InferenceEngine, TorchEngine
+from rl.rollout.sampling import SamplingParams, filter_logits, make_generator, sample_tokens
+
+PARITY_TOL = 1e-4  # fp32 logprob parity, trainer vs rollout (issue 7)
+
+
+@pytest.fixture(scope="module")
+def model() -> OdysseyForCausalLM:
+    torch.manual_seed(0)
+    return OdysseyForCausalLM(OdysseyConfig.from_preset("tiny")).eval()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(16, 3000, (n,), generator=g).tolist()
+
+
+# ----------------------------------------------------------------------------- sampling
+def _reference_filter(z: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """Obvious per-row reference: scale, keep top-k (ties kept), keep the top-p nucleus."""
+    z = [x / temperature for x in z]
+    keep = set(range(len(z)))
+    if top_k > 0:
+        kth = sorted(z, reverse=True)[min(top_k, len(z)) - 1]
+        keep = {i for i in keep if z[i] >= kth}
+    if top_p < 1:
+        m = max(z[i] for i in keep)
+        p = {i: math.exp(z[i] - m) for i in keep}
+        total = sum(p.values())
+        order = sorted(keep, key=lambda i: (-z[i], i))
+        mass, nucleus = 0.0, set()
+        for i in order:
+            if nucleus and mass >= top_p:
+                break
+            nucleus.add(i)
+            mass += p[i] / total
+        keep = nucleus
+    return [z[i] if i in keep else -math.inf for i in range(len(z))]
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 7, 0.6), (1.0, 1, 1.0), (2.0, 0, 0.05)],
+)
+def test_filter_logits_matches_reference(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 40, generator=g) * 3
+    N = logits.shape[0]
+    z = filter_logits(logits, torch.full((N,), temperature), torch.full((N,), top_k), torch.full((N,), top_p))
+    for r in range(N):
+        ref = torch.tensor(_reference_filter(logits[r].tolist(), temperature, top_k, top_p))
+        assert torch.equal(torch.isinf(z[r]), torch.isinf(ref)), (r, temperature, top_k, top_p)
+        fin = ~torch.isinf(ref)
+        assert torch.allclose(z[r][fin], ref[fin], atol=1e-5)
+
+
+def test_sampler_follows_filtered_distribution():
+    """Empirical frequencies of 20000 draws vs exp(logp) of the filtered distribution (5-sigma bound)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+    z = filter_logits(logits, torch.tensor([0.8]), torch.tensor([5]), torch.tensor([0.9]))
+    probs = torch.softmax(z, -1)[0]
+    g = make_generator(123)
+    n = 20000
+    counts = torch.zeros(6)
+    for _ in range(n // 500):
+        toks, lps = sample_tokens(logits.expand(500, -1), [params] * 500, [g] * 500)
+        counts += torch.bincount(toks, minlength=6).float()
+        assert torch.allclose(lps, probs.log()[toks], atol=1e-6)  # logprob of the sampled distribution
+    freq = counts / n
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert torch.all((freq - probs).abs() <= 5 * sigma + 1e-9), (freq, probs)
+    assert counts[probs == 0].sum() == 0  # filtered tokens are never drawn
+
+
+def test_sampling_is_batch_independent_and_greedy_is_argmax():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 50, generator=g)
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, seed=i)
+        for i, (t, k, p) in enumerate(
+            [(1.0, 0, 1.0), (0.5, 3, 1.0), (1.0, 0, 0.7), (0.0, 0, 1.0), (2.0, 10, 0.9)]
+        )
+    ]
+    batched, blp = sample_tokens(logits, params, [make_generator(i) for i in range(5)])
+    for i in range(5):
+        alone, alp = sample_tokens(logits[i : i + 1], [params[i]], [make_generator(i)])
+        assert alone.item() == batched[i].item()
+        assert alp.item() == pytest.approx(blp[i].item(), abs=1e-6)
+    assert batched[3].item() == logits[3].argmax().item() and blp[3].item() == 0.0
+
+
+def test_bad_sampling_params_are_named():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
+
+
+# ----------------------------------------------------------------------------- engine
+def _full_forward(model, ids: list[int]):
+    with torch.no_grad():
+        t = torch.tensor(ids)
+        lp = model.token_logprobs(t[:-1], t[1:])
+        routed = model(t, return_routed_experts=True).routed_experts
+    return lp, routed
+
+
+def test_engine_satisfies_protocol(model):
+    assert isinstance(TorchEngine(model), InferenceEngine)
+
+
+def test_trainer_inference_and_r3_parity(model):
+    """Rollout logprobs == token_logprobs on the same tokens (T=1, top_p=1, top_k=0); routing == full
+    forward's."""
+    eng = TorchEngine(model, prefill_chunk_size=16)
+    reqs = [
+        GenerationRequest(_prompt(i, 20 + 9 * i), SamplingParams(max_new_tokens=12, seed=i)) for i in range(3)
+    ]
+    for req, res in zip(reqs, eng.generate(reqs)):
+        ids = list(req.prompt_ids) + res.token_ids
+        lp, routed = _full_forward(model, ids)
+        P = len(req.prompt_ids)
+        err = (lp[P - 1 :] - torch.tensor(res.logprobs)).abs().max().item()
+        assert err < PARITY_TOL, err
+        rec = np.concatenate([res.prompt_routed_experts, res.routed_experts]).astype(np.int64)
+        assert rec.shape == (len(ids), len(model.moe_layer_indices), model.config.num_experts_per_tok)
+        assert np.array_equal(rec, routed.numpy())
+        assert res.session.num_tokens == len(ids) == int(res.session.cache.seq_lens[0])
+
+
+def test_continuous_batching_equals_one_at_a_time(model):
+    """max_batch_size=2 with 4 requests of different lengths: sequences join and leave mid-run."""
+    reqs = [
+        GenerationRequest(
+            _prompt(10 + i, 5 + 7 * i),
+            SamplingParams(max_new_tokens=3 + 4 * i, seed=100 + i, temperature=0.9, top_p=0.95),
+        )
+        for i in range(4)
+    ]
+    eng = TorchEngine(model, max_batch_size=2)
+    batched = eng.generate(reqs)
+    assert eng.stats["max_batch"] == 2
+    for req, b in zip(reqs, batched):
+        alone = TorchEngine(model).generate([req])[0]
+        assert b.token_ids == alone.token_ids
+        assert np.allclose(b.logprobs, alone.logprobs, atol=1e-5)
+        assert np.array_equal(b.routed_experts, alone.routed_experts)
+        assert len(b.token_ids) == req.sampling.max_new_tokens and b.finish_reason == "length"
+
+
+def test_chunked_prefill_equals_one_pass_and_stays_chunked(model, monkeypatch):
+    """Prefill of 300 tokens in chunks of 64 == one pass; no forward sees more than 64 tokens and the
+    LM head runs only on the rows that are sampled from (never [T, vocab])."""
+    prompt = _prompt(7, 300)
+    req = GenerationRequest(prompt, SamplingParams(max_new_tokens=4, seed=3))
+    one = TorchEngine(model, prefill_chunk_size=4096).generate([req])[0]
+    seen_tokens, head_rows = [], []
+    orig_backbone = model.model.forward
+    orig_head = model.lm_head.forward
+
+    def spy_backbone(input_ids, *a, **k):
+        seen_tokens.append(input_ids.shape[0])
+        return orig_backbone(input_ids, *a, **k)
+
+    def spy_head(h):
+        head_rows.append(h.shape[0])
+        return orig_head(h)
+
+    monkeypatch.setattr(model.model, "forward", spy_backbone)
+    monkeypatch.setattr(model.lm_head, "forward", spy_head)
+    chunked = TorchEngine(model, prefill_chunk_size=64).generate([req])[0]
+    monkeypatch.undo()
+    assert max(seen_tokens) <= 64 and len(seen_tokens) >= 300 // 64
+    assert max(head_rows) == 1
+    assert chunked.token_ids == one.token_ids
+    assert np.allclose(chunked.logprobs, one.logprobs, atol=1e-4)
+    assert np.array_equal(chunked.prompt_routed_experts, one.prompt_routed_experts)
+
+
+def test_session_continuation_equals_full_history(model):
+    """Turn 2 prefilled on the turn-1 session == generating from the whole history as one prompt."""
+    eng = TorchEngine(model)
+    t1 = eng.generate([GenerationRequest(_prompt(1, 30), SamplingParams(max_new_tokens=6, seed=1))])[0]
+    obs = _prompt(2, 17)
+    p2 = SamplingParams(max_new_tokens=6, seed=2)
+    t2 = eng.generate([GenerationRequest(obs, p2, session=t1.session)])[0]
+    history = _prompt(1, 30) + t1.token_ids + obs
+    ref = TorchEngine(model).generate([GenerationRequest(history, p2)])[0]
+    assert t2.token_ids == ref.token_ids
+    assert np.allclose(t2.logprobs, ref.logprobs, atol=1e-4)
+    assert np.array_equal(t2.prompt_routed_experts, ref.prompt_routed_experts[-len(obs) :])
+    assert t2.session is t1.session and t2.session.num_tokens == len(history) + 6
+
+
+def test_finish_reasons(model):
+    tok_prompt = _prompt(5, 12)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    eng = TorchEngine(model, detokenize=lambda ids: "".join(f"<{i}>" for i in ids))
+    base = eng.generate([GenerationRequest(tok_prompt, greedy)])[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 8
+    assert all(lp == 0.0 for lp in base.logprobs)  # greedy: point mass
+    stop_id = base.token_ids[2]
+    first = base.token_ids.index(stop_id)
+    r = eng.generate(
+        [
+            GenerationRequest(
+                tok_prompt, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop_id,))
+            )
+        ]
+    )[0]
+    assert r.finish_reason == "stop_token" and r.token_ids == base.token_ids[: first + 1]
+    s = f"<{base.token_ids[1]}><{base.token_ids[2]}>"
+    r = eng.generate(
+        [GenerationRequest(tok_prompt, SamplingParams(temperature=0.0, max_new_tokens=8, stop_strings=(s,)))]
+    )[0]
+    assert r.finish_reason == "stop_string" and r.token_ids == base.token_ids[:3]
+    assert r.routed_experts.shape[0] == 3  # the last token was fed ("flushed") too
+
+
+def test_agenerate_batches_concurrent_requests(model):
+    reqs = [
+        GenerationRequest(_prompt(20 + i, 10 + i), SamplingParams(max_new_tokens=5, seed=i)) for i in range(4)
+    ]
+    ref = TorchEngine(model).generate(reqs)
+    eng = TorchEngine(model)
+
+    async def main():
+        return await asyncio.gather(*(eng.agenerate(r) for r in reqs))
+
+    got = asyncio.run(main())
+    assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+    assert eng.stats["max_batch"] == 4
+
+
+def test_update_weights_and_errors(model):
+    eng = TorchEngine(OdysseyForCausalLM(model.config).eval())
+    req = GenerationRequest(_prompt(3, 10), SamplingParams(max_new_tokens=4, seed=9))
+    before = eng.generate([req])[0]
+    eng.update_weights(model.state_dict(), version=3)
+    after = eng.generate([req])[0]
+    assert eng.weight_version == 3 and after.weight_version == 3
+    assert after.token_ids == TorchEngine(model).generate([req])[0].token_ids
+    assert before.logprobs != after.logprobs
+    with pytest.raises(ValueError, match="does not match the model"):
+        eng.update_weights({"nope": torch.zeros(1)}, version=4)
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        eng.generate([GenerationRequest([], SamplingParams())])
+    with pytest.raises(ValueError, match="detokenizer"):
+        eng.generate([GenerationRequest([5], SamplingParams(stop_strings=("x",)))])

@@ -1,0 +1,265 @@
+"""Rollout on a real Ray cluster with real Docker sandboxes.
+
+- `odyssey rollout` (cli_main) with two RolloutWorker actors and the TorchEngine policy;
+- two actors driven by a calculator-using scripted policy, so calc really runs in the Docker sandboxes;
+- `ray job submit --working-dir . -- odyssey rollout ...` against a `ray start --head` cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rl.rollout.engine import GenerationResult, Session
+from rl.rollout.worker import RolloutWorker, WorkerSettings
+from rl.trajectory import TrajectoryStore
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+pytestmark = [pytest.mark.ray, pytest.mark.docker]
+
+
+@pytest.fixture(scope="module")
+def docker_image(docker_sandbox):
+    """The sandbox image (shared fixture: skips with the fix, or fails when ODYSSEY_REQUIRE_DOCKER=1)."""
+    return docker_sandbox
+
+
+FAST = [
+    "rollout.max_new_tokens=8",
+    "rollout.max_turns=2",
+    "rollout.concurrent_episodes=2",
+    "rollout.sandbox_pool_size=1",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_two_ray_workers(ray_session, docker_image, tmp_path):
+    from rl.rollout.cli import cli_main
+
+    run_dir = tmp_path / "run"
+    rc = cli_main(
+        ["configs/tiny.yaml", "--episodes", "4", "--run-dir", str(run_dir), "rollout.num_workers=2", *FAST]
+    )
+    assert rc == 0
+    trajs = TrajectoryStore(run_dir / "trajectories").read_all()
+    assert sorted(t.metadata["episode_index"] for t in trajs) == [0, 1, 2, 3]
+    assert {t.metadata["worker_id"] for t in trajs} == {0, 1}
+    assert all(t.infra_error is None and "total" in t.rewards and t.n_generated > 0 for t in trajs)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["episodes_stored"] == 4 and summary["workers"] == 2 and summary["worker_failures"] == []
+    assert (run_dir / "config.yaml").exists()
+
+
+class CalcOracleEngine:
+    """A scripted policy for sandbox tests: turn 1 calls calc on the task's expression, turn 2 answers
+    calc's result (read from the observation tokens). Implements the InferenceEngine protocol."""
+
+    weight_version = 0
+
+    def __init__(self) -> None:
+        self.stats: dict = {}
+
+    async def agenerate(self, req):
+        from model.tokenizer import load_tokenizer
+        from rl.rollout.agent_loop import ChatCodec
+
+        codec = ChatCodec(load_tokenizer())
+        seen = codec.decode(list(req.prompt_ids))
+        if req.session is None:
+            expr = re.search(r"Compute (.+)\.<\|im_end\|>", seen).group(1)
+            out = json.dumps({"name": "calc", "arguments": {"expression": expr}})
+        else:
+            value = re.search(r"<tool_response>(.*?)</tool_response>", seen, re.S).group(1)
+            out = json.dumps({"name": "answer", "arguments": {"value": json.loads(value)}})
+        ids = codec.tok.encode(f"<tool_call>{out}</tool_call>", add_special_tokens=False)
+        return GenerationResult(
+            req.request_id,
+            ids,
+            [-1.0] * len(ids),
+            "stop_token",
+            None,
+            None,
+            req.session or Session(),
+            0,
+            len(req.prompt_ids),
+        )
+
+    def release(self, session) -> None:
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_ray_workers_run_tools_in_docker(ray_session, docker_image, tmp_path):
+    import ray
+
+    from rl.rollout.worker import RolloutWorker, WorkerSettings
+
+    settings = WorkerSettings(
+        env_id="arith",
+        env_kwargs={"difficulty": 1},
+        store_dir=str(tmp_path / "store"),
+        rewards=[{"name": "outcome", "weight": 1.0}, {"name": "subgoal", "weight": 0.2}],
+        concurrency=2,
+        sandbox_pool_size=2,
+    )
+    actor = ray.remote(num_cpus=1)(RolloutWorker)
+    workers = [actor.remote(settings, i, engine=CalcOracleEngine()) for i in range(2)]
+    try:
+        reports = ray.get([w.run.remote([i, i + 2]) for i, w in enumerate(workers)], timeout=300)
+    finally:
+        ray.get([w.close.remote() for w in workers], timeout=120)
+        for w in workers:
+            ray.kill(w)
+    trajs = TrajectoryStore(tmp_path / "store").read_all()
+    assert len(trajs) == 4 and {t.metadata["worker_id"] for t in trajs} == {0, 1}
+    for t in trajs:
+        assert t.infra_error is None and t.outcome == 1.0 and t.rewards["outcome"] == 1.0, t.step_infos
+        assert t.step_infos[0]["tool_calls"][0]["name"] == "calc" and t.step_infos[0]["subgoals"]
+    assert sum(r["tool_calls"] for r in reports) == 8 and sum(r["infra_errors"] for r in reports) == 0
+
+
+class DyingRolloutWorker(RolloutWorker):
+    """A RolloutWorker actor that dies (os._exit, like an OOM kill) right after storing its first episode."""
+
+    async def run_one(self, index: int):
+        traj = await super().run_one(index)
+        os._exit(1)
+        return traj
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dead_worker_is_replaced_and_nothing_is_lost(ray_session, docker_image, tmp_path):
+    """Worker 0 dies after its first episode: the failure is named, a new actor reruns exactly the
+    episodes missing from the store, and every episode index is stored once."""
+    import io
+
+    import ray
+    from rich.console import Console
+
+    from rl.rollout.cli import run_on_ray
+
+    settings = WorkerSettings(
+        env_id="arith",
+        env_kwargs={"difficulty": 1},
+        store_dir=str(tmp_path / "store"),
+        rewards=[{"name": "outcome", "weight": 1.0}],
+        concurrency=1,
+        sandbox_pool_size=1,
+    )
+
+    def factory(i: int, attempt: int):
+        cls = DyingRolloutWorker if (i, attempt) == (0, 0) else RolloutWorker
+        return ray.remote(num_cpus=1, max_restarts=0)(cls).remote(settings, i, engine=CalcOracleEngine())
+
+    report, failures = run_on_ray(settings, 6, 2, Console(file=io.StringIO()), actor_factory=factory)
+    idx = sorted(t.metadata["episode_index"] for t in TrajectoryStore(tmp_path / "store").read_all())
+    assert idx == list(range(6))
+    assert (
+        len(failures) == 1 and failures[0].startswith("worker 0 failed") and "rerunning its 2" in failures[0]
+    )
+    assert report.episodes == 5  # worker 1 (3) + worker 0's replacement (2); the first one is in the store
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head(docker_image):
+    """A `ray start --head --block` cluster of its own (own temp dir and ports); SIGTERM stops it."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    tmp = Path(f"/tmp/ray_head_{os.getpid()}")  # AF_UNIX socket paths must stay short
+    tmp.mkdir(exist_ok=True)
+    dash = _free_port()
+    cmd = [
+        str(VENV_BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        f"--port={_free_port()}",
+        f"--dashboard-port={dash}",
+        "--include-dashboard=true",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--ray-client-server-port={_free_port()}",
+        "--num-cpus=4",
+        f"--temp-dir={tmp}",
+        "--disable-usage-stats",
+    ]
+    log = open(tmp / "head.log", "w")
+    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            r = subprocess.run(
+                [str(VENV_BIN / "ray"), "job", "list", "--address", address],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            if r.returncode == 0:
+                break
+            if head.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"ray head did not come up: {(tmp / 'head.log').read_text()[-3000:]}")
+            time.sleep(2)
+        yield address, env
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ray_job_submit_end_to_end(ray_head, tmp_path):
+    address, env = ray_head
+    runs = tmp_path / "runs"
+    cmd = [
+        str(VENV_BIN / "ray"),
+        "job",
+        "submit",
+        "--address",
+        address,
+        "--working-dir",
+        ".",
+        "--entrypoint-num-cpus",
+        "1",
+        "--",
+        "odyssey",
+        "rollout",
+        "configs/tiny.yaml",
+        "--episodes",
+        "4",
+        f"logging.run_dir={runs}",
+        *FAST,
+    ]
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "rollout summary" in out and "succeeded" in out
+    (run_dir,) = list(runs.glob("rollout-*"))
+    trajs = TrajectoryStore(run_dir / "trajectories").read_all()
+    assert len(trajs) == 4 and {t.metadata["worker_id"] for t in trajs} == {0, 1}
+    assert json.loads((run_dir / "summary.json").read_text())["episodes_stored"] == 4
