@@ -258,7 +258,7 @@ def test_real_engine_episode_parity_and_faithfulness(codec, model):
 # ----------------------------------------------------------------------------- real sandboxes
 @pytest.fixture(scope="module")
 def sandbox_pool(docker_sandbox):
-    """A module pool on the shared fixture `docker_sandbox` (skips with the fix, or fails in CI, without Docker)."""
+    """A module pool on the shared `docker_sandbox` fixture (skips with the fix, or fails in CI)."""
     from sandbox.pool import SandboxPool
 
     pool = SandboxPool(size=2, image=docker_sandbox)
