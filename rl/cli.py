@@ -18,8 +18,8 @@ import sys
 
 #: group -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "rollout": ("rl.rollout.cli", "cli_main", "run agent episodes in Docker sandboxes and store scored trajectories"),
-    "config": ("rl.config", "cli_main", "show a run config resolved with overrides: config show FILE [k=v ...]"),
+    "rollout": ("rl.rollout.cli", "cli_main", "run agent episodes in sandboxes; store scored trajectories"),
+    "config": ("rl.config", "cli_main", "show a resolved run config: config show FILE [k=v ...]"),
     "model": ("model.count", "cli_main", "model tools: model params --preset tiny|small|k3 [--json]"),
     "sandbox": ("sandbox.image", "cli_main", "sandbox image and containers: sandbox build|ls|gc"),
     "envs": ("envs.registry", "cli_main", "environments: envs list"),
