@@ -1,0 +1,90 @@
+"""Per-layer expert-load observability for `model.moe.LatentMoE`.
+
+A *step* is the span between two `close_step()` calls (LatentMoE.update_bias() closes it, so one
+step = one optimizer step when the trainer calls `model.update_router_biases()` after each step).
+Every forward adds the token counts per expert of the experts it actually ran (the replayed ones
+under routing replay), in train and eval mode alike.
+
+Metrics (`ExpertLoadTracker.metrics()`), on the most recent step: the step in progress if it has
+seen tokens, else the last closed step:
+- ``max_mean_load``: max_j load_j / mean_j load_j (1.0 = perfectly balanced, n/k = all on k experts).
+- ``load_cv``: coefficient of variation std_j(load_j) / mean_j(load_j) (population std).
+- ``dead_experts``: ids of experts with zero tokens in every step of the window (the last
+  `window` closed steps plus the step in progress); ``n_dead_experts`` = their count.
+- ``load_entropy``: entropy of the load distribution load_j / sum(load), normalised by log n
+  (1.0 = uniform load across experts, 0.0 = one expert takes everything).
+- ``weight_entropy``: mean over tokens of the entropy (nats) of the token's renormalised routing
+  weights p_i over its k experts (log k = equal mixing, 0 = one expert dominates the mix).
+- ``tokens_per_expert``: the counts themselves (list[int], length n); ``tokens``: sum_j load_j / k.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+
+
+class ExpertLoadTracker:
+    """Accumulates per-step expert token counts [n] and routing-weight entropy; keeps a window of steps."""
+
+    def __init__(self, n_experts: int, k: int, window: int = 100) -> None:
+        if window < 1:
+            raise ValueError(f"expert-load window must be >= 1 step, got {window}")
+        self.n, self.k, self.window = n_experts, k, window
+        self._counts = torch.zeros(n_experts, dtype=torch.int64)
+        self._entropy_sum = 0.0
+        self._tokens = 0
+        self._last: tuple[torch.Tensor, float, int] | None = None
+        self._history: deque[torch.Tensor] = deque(maxlen=window)
+        self.steps = 0
+
+    @torch.no_grad()
+    def record(self, topk_idx: torch.Tensor, weights: torch.Tensor) -> None:
+        """topk_idx [T, k] experts run per token, weights [T, k] their mixing weights."""
+        c = torch.bincount(topk_idx.reshape(-1).cpu(), minlength=self.n)
+        self._counts += c
+        p = weights.detach().float()
+        p = p / p.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+        ent = -(p * p.clamp(min=1e-30).log()).sum(dim=-1)
+        self._entropy_sum += float(ent.sum())
+        self._tokens += topk_idx.shape[0]
+
+    def close_step(self) -> None:
+        """End the current step: it becomes the 'last step' and enters the dead-expert window."""
+        if self._tokens == 0:
+            return
+        self._last = (self._counts.clone(), self._entropy_sum, self._tokens)
+        self._history.append(self._counts.clone())
+        self._counts.zero_()
+        self._entropy_sum, self._tokens = 0.0, 0
+        self.steps += 1
+
+    def reset(self) -> None:
+        self.__init__(self.n, self.k, self.window)
+
+    def metrics(self) -> dict[str, float | int | list[int]]:
+        """Metrics of the most recent step (see module docstring); empty dict before any token."""
+        if self._tokens:
+            counts, ent_sum, tokens = self._counts, self._entropy_sum, self._tokens
+        elif self._last is not None:
+            counts, ent_sum, tokens = self._last
+        else:
+            return {}
+        window = torch.stack([*self._history, self._counts]).sum(dim=0)
+        dead = torch.nonzero(window == 0).flatten().tolist()
+        load = counts.double()
+        mean = load.mean()
+        frac = load / load.sum()
+        h = float(-(frac * frac.clamp(min=1e-300).log()).sum())
+        return {
+            "max_mean_load": float(load.max() / mean),
+            "load_cv": float(load.std(unbiased=False) / mean),
+            "n_dead_experts": len(dead),
+            "dead_experts": dead,
+            "load_entropy": h / math.log(self.n) if self.n > 1 else 1.0,
+            "weight_entropy": ent_sum / tokens,
+            "tokens": tokens,
+            "tokens_per_expert": counts.tolist(),
+        }

@@ -1,0 +1,306 @@
+"""Stable LatentMoE: sigmoid router with a balancing bias, latent SiTU-GLU experts, routing replay.
+
+    y = sum_j shared_j(x) + W_up . RMSNorm( sum_{i in T} p_i . E_i(W_down x) )        (DESIGN.md)
+
+x [T, D] full width. Router (on full-width x, fp32):
+    s = sigmoid(W_r x)                 [T, n]
+    T = topk(s + b, k)                 b: per-expert bias buffer (balancing), zero at init
+    p_i = rsf . s_i / sum_{l in T} s_l (renormalised over the chosen k from the *unbiased* s; rsf =
+                                        routed_scaling_factor), so b moves the choice, never the weight.
+Routed experts E_i(z) = W2_i situ_glu(W1_i z, W3_i z) run in the latent dim L = moe_latent_dim,
+with stacked weights w_gate_up [n, 2I, L] (gate rows first, vLLM's w13 layout) and w_down_experts
+[n, L, I] (vLLM's w2 layout). Shared experts are full-width SiTU-GLU MLPs (model.ffn.DenseFFN).
+
+Dispatch: flatten the T*k (token, expert) pairs, sort by expert, gather the latent rows once, run
+one [c_e, L] x [L, 2I] and one [c_e, I] x [I, L] matmul per non-empty expert on its contiguous
+segment, scale by p and index_add back into [T, L]. There is no loop over tokens.
+`dense_reference_forward` is the slow oracle: every expert on every token, masked by p.
+
+Routing replay (R3): `replay_experts` [T, k] forces T (any integer dtype); p is still computed from
+the current s over the forced set, so W_r gets gradient. Balancing statistics always use the
+router's own free choice topk(s + b) (that is what b controls); load metrics count the experts
+that actually ran. Balancing: see model/balancing.py; observability: model/expert_load.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from model.activations import situ_glu
+from model.balancing import (
+    BALANCING_METHODS,
+    QuantileStats,
+    SignStats,
+    aux_balance_loss,
+)
+from model.expert_load import ExpertLoadTracker
+from model.ffn import DenseFFN
+from model.norm import RMSNorm
+
+
+def latent_expert(w_gate_up: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """W2 situ_glu(W1 z, W3 z) with w_gate_up [2I, L] (gate rows first), w_down [L, I]: z [c, L] -> [c, L]."""
+    g, u = (z @ w_gate_up.t()).chunk(2, dim=-1)
+    return situ_glu(g, u) @ w_down.t()
+
+
+class Router(nn.Module):
+    """Sigmoid top-k router. weight [n, D] (parameter), e_score_correction_bias b [n] fp32 (persistent
+    buffer: saved in the state dict, never trained by the optimizer; DeepSeek-V3 / vLLM name).
+    """
+
+    def __init__(self, hidden_size: int, n_experts: int, k: int, routed_scaling_factor: float = 1.0) -> None:
+        super().__init__()
+        self.n_experts, self.k, self.routed_scaling_factor = n_experts, k, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse: bool = True):
+        """Keep b in fp32 under model.to(bf16): a bf16 bias (8-bit mantissa) would blur the routing."""
+        super()._apply(fn, recurse)
+        if self.e_score_correction_bias.dtype != torch.float32:
+            self.e_score_correction_bias = self.e_score_correction_bias.float()
+        return self
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """s = sigmoid(W_r x): x [T, D] -> [T, n] fp32."""
+        return torch.sigmoid(x.float() @ self.weight.float().t())
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Free choice topk(s + b): [T, n] -> [T, k] int64."""
+        return (scores.detach() + self.e_score_correction_bias.float()).topk(self.k, dim=-1).indices
+
+    def weights(self, scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        """p = rsf * s_T / sum s_T over the chosen set: [T, n], [T, k] -> [T, k] fp32 (differentiable)."""
+        s = scores.gather(1, topk_idx)
+        return s / s.sum(dim=-1, keepdim=True) * self.routed_scaling_factor
+
+    def forward(
+        self, x: torch.Tensor, replay_experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (scores [T, n] fp32, topk_idx [T, k] int64, weights [T, k] fp32)."""
+        s = self.scores(x)
+        idx = self.select(s) if replay_experts is None else self._check_replay(replay_experts, x.shape[0])
+        return s, idx, self.weights(s, idx)
+
+    def _check_replay(self, replay: torch.Tensor, T: int) -> torch.Tensor:
+        if replay.shape != (T, self.k):
+            raise ValueError(
+                f"replay_experts must have shape [T, k] = [{T}, {self.k}] for this MoE layer, got "
+                f"{tuple(replay.shape)}; the model forward takes [T, n_moe_layers, k]"
+            )
+        if replay.dtype.is_floating_point or replay.dtype == torch.bool:
+            raise ValueError(f"replay_experts must be an integer tensor of expert ids, got {replay.dtype}")
+        idx = replay.to(device=self.weight.device, dtype=torch.int64)
+        if T and (int(idx.min()) < 0 or int(idx.max()) >= self.n_experts):
+            raise ValueError(
+                f"replay_experts holds expert ids in [{int(idx.min())}, {int(idx.max())}], outside "
+                f"[0, {self.n_experts}); were they recorded with a different n_routed_experts?"
+            )
+        if self.k > 1 and T:
+            srt = idx.sort(dim=-1).values
+            if bool((srt[:, 1:] == srt[:, :-1]).any()):
+                raise ValueError("replay_experts repeats an expert within a token's k choices; "
+                                 "make them distinct")
+        return idx
+
+
+class LatentMoE(nn.Module):
+    """Stable LatentMoE FFN. forward(x [T, D], replay_experts [T, k] | None) -> (y [T, D], topk_idx [T, k]).
+
+    After each forward `self.aux_loss` is the scalar load-balancing loss (balancing == "aux_loss")
+    or None. `update_bias()` applies the pending bias update (call after the optimizer step; no-op
+    in eval, for "aux_loss" and "none") and closes the observability step. `load_metrics()` -> dict.
+    """
+
+    def __init__(self, config, layer_idx: int | None = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        D = config.hidden_size
+        n = config.n_routed_experts
+        k = config.num_experts_per_tok
+        L = config.moe_latent_dim
+        I = config.moe_intermediate_size
+        self.balancing = getattr(config, "balancing", "quantile")
+        if self.balancing not in BALANCING_METHODS:
+            raise ValueError(f"balancing={self.balancing!r} is not one of {BALANCING_METHODS}; "
+                             "fix the model config")
+        if n < 1 or not 1 <= k <= n:
+            raise ValueError(
+                f"LatentMoE needs n_routed_experts >= 1 and 1 <= num_experts_per_tok <= n_routed_experts, "
+                f"got n={n}, k={k}"
+            )
+        if self.balancing in ("quantile", "bias_sign") and k == n:
+            raise ValueError(
+                f"balancing={self.balancing!r} needs num_experts_per_tok < n_routed_experts (k = n = {n}): "
+                "with every expert chosen there is nothing to balance; set balancing='none'"
+            )
+        self.n_experts, self.k, self.latent_dim, self.expert_dim = n, k, L, I
+        self.bias_update_speed = float(getattr(config, "bias_update_speed", 1e-3))
+        self.aux_loss_coef = float(getattr(config, "aux_loss_coef", 1e-2))
+        self.quantile_exact_max_tokens = int(getattr(config, "quantile_exact_max_tokens", 65536))
+        self.quantile_hist_bins = int(getattr(config, "quantile_hist_bins", 1024))
+        self.init_std = float(getattr(config, "initializer_range", 0.02))
+
+        self.router = Router(D, n, k, float(getattr(config, "routed_scaling_factor", 1.0)))
+        self.latent_down = nn.Linear(D, L, bias=False)  # W_down
+        self.w_gate_up = nn.Parameter(torch.empty(n, 2 * I, L))  # [n, 2I, L]: gate rows [:I], up rows [I:]
+        self.w_down_experts = nn.Parameter(torch.empty(n, L, I))  # [n, L, I]
+        self.latent_norm = RMSNorm(L, eps=getattr(config, "rms_norm_eps", 1e-6))
+        self.latent_up = nn.Linear(L, D, bias=False)  # W_up
+        n_shared = int(getattr(config, "n_shared_experts", 0) or 0)
+        shared_I = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        if n_shared and shared_I < 1:
+            raise ValueError("n_shared_experts > 0 needs shared_expert_intermediate_size >= 1")
+        self.shared_experts = nn.ModuleList(DenseFFN(config, shared_I) for _ in range(n_shared))
+
+        self.aux_loss: torch.Tensor | None = None
+        self.process_group = None  # data-parallel group for the balancing all-reduces (None = default)
+        self._quantile = QuantileStats(k)
+        self._sign = SignStats(n)
+        self.load_tracker = ExpertLoadTracker(n, k, int(getattr(config, "moe_load_window", 100)))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, initializer_range) for every matrix (as HF _init_weights does for Linear); b = 0."""
+        for w in (self.router.weight, self.latent_down.weight, self.w_gate_up, self.w_down_experts,
+                  self.latent_up.weight):
+            w.normal_(0.0, self.init_std)
+        for lin in self.shared_experts.modules():
+            if isinstance(lin, nn.Linear):
+                lin.weight.normal_(0.0, self.init_std)
+        self.router.e_score_correction_bias.zero_()
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """The balancing bias b [n] (the router's e_score_correction_bias buffer)."""
+        return self.router.e_score_correction_bias
+
+    def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
+        """E_e(z) = W2_e situ_glu(W1_e z, W3_e z): z [c, L] -> [c, L]."""
+        return latent_expert(self.w_gate_up[e], self.w_down_experts[e], z)
+
+    def dispatch(self, z: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_{i in T} p_i E_i(z) by sorting (token, expert) pairs by expert.
+
+        z [T, L], topk_idx [T, k] int64, weights [T, k] -> [T, L] (dtype of z).
+        """
+        T, k = topk_idx.shape
+        out = z.new_zeros(T, self.latent_dim)
+        if T == 0:
+            return out + 0.0 * z.sum()
+        flat = topk_idx.reshape(-1)
+        order = flat.argsort(stable=True)  # [T*k] pairs grouped by expert
+        tok = order // k  # token of each sorted pair
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        zs = z.index_select(0, tok)  # [T*k, L]
+        # split (not slicing): its backward concatenates the segment grads once, whereas every slice's
+        # backward would materialise a full-size [T*k, L] zero tensor
+        # and unbind (not w[e]): one stacking backward instead of a full-size [n, ...] grad per expert
+        w_gu, w_d = self.w_gate_up.unbind(0), self.w_down_experts.unbind(0)
+        parts = [latent_expert(w_gu[e], w_d[e], seg)
+                 for e, seg in enumerate(zs.split(counts)) if seg.shape[0]]
+        h = torch.cat(parts) * weights.reshape(-1)[order].to(z.dtype).unsqueeze(-1)
+        return out.index_add(0, tok, h)
+
+    def forward(
+        self, x: torch.Tensor, replay_experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] (or [..., D]), replay_experts [T, k] | None -> (y [T, D], topk_idx [T, k] int64)."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if replay_experts is not None:
+            replay_experts = replay_experts.reshape(-1, replay_experts.shape[-1])
+        scores, idx, p = self.router(x2, replay_experts)
+        self._observe(scores, idx, p)
+        z = self.latent_down(x2)
+        y = self.latent_up(self.latent_norm(self.dispatch(z, idx, p)))
+        for shared in self.shared_experts:
+            y = y + shared(x2)
+        return y.reshape(*lead, y.shape[-1]), idx.reshape(*lead, self.k)
+
+    def _observe(self, scores: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> None:
+        """Balancing statistics (training forwards only), aux loss, and load observability."""
+        self.aux_loss = None
+        if self.balancing == "aux_loss":
+            self.aux_loss = aux_balance_loss(scores, idx, self.n_experts, self.aux_loss_coef)
+        if self.training:
+            if self.balancing == "quantile":
+                self._quantile.add(scores, self.bias)
+            elif self.balancing == "bias_sign":
+                self._sign.add(self.router.select(scores))
+        self.load_tracker.record(idx, p)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Apply the step's balancing update to b (train mode, quantile / bias_sign) and close the
+        observability step. The new b affects routing from the next forward on, i.e. the next step.
+        """
+        self.load_tracker.close_step()
+        if not self.training:
+            return
+        self._quantile.process_group = self._sign.process_group = self.process_group
+        new = None
+        if self.balancing == "quantile":
+            new = self._quantile.solve(self.n_experts, self.quantile_exact_max_tokens,
+                                       self.quantile_hist_bins)
+        elif self.balancing == "bias_sign":
+            new = self._sign.solve(self.bias, self.bias_update_speed)
+        if new is not None:
+            self.bias.copy_(new.to(self.bias.dtype))
+
+    def load_metrics(self) -> dict[str, float | int | list[int]]:
+        """This layer's expert-load metrics of the most recent step (see model/expert_load.py)."""
+        return self.load_tracker.metrics()
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, experts={self.n_experts}, top_k={self.k}, "
+                f"latent={self.latent_dim}, "
+                f"expert_dim={self.expert_dim}, balancing={self.balancing}")
+
+
+def dense_reference_forward(
+    moe: LatentMoE, x: torch.Tensor, replay_experts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slow oracle for LatentMoE.forward: every expert runs on every token, masked by the [T, n]
+    weight matrix (zero outside the chosen k). Same routing; no statistics are recorded.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    scores, idx, p = moe.router(x2, replay_experts)
+    W = torch.zeros_like(scores).scatter(1, idx, p)  # [T, n]
+    z = moe.latent_down(x2)
+    h = torch.zeros(x2.shape[0], moe.latent_dim, dtype=z.dtype, device=z.device)
+    for e, (w_gu, w_d) in enumerate(zip(moe.w_gate_up.unbind(0), moe.w_down_experts.unbind(0))):
+        h = h + W[:, e:e + 1].to(z.dtype) * latent_expert(w_gu, w_d, z)
+    y = moe.latent_up(moe.latent_norm(h))
+    for shared in moe.shared_experts:
+        y = y + shared(x2)
+    return y.reshape(*x.shape[:-1], y.shape[-1]), idx.reshape(*x.shape[:-1], moe.k)
+
+
+def aggregate_load_metrics(per_layer: dict[int, dict], prefix: str = "moe") -> dict[str, float | list]:
+    """Flatten {layer_idx: LatentMoE.load_metrics()} into one logging dict.
+
+    Keys: f"{prefix}/layer{l}/{metric}" for every scalar metric and the per-expert list, plus
+    summaries over layers: {prefix}/max_mean_load_max, {prefix}/max_mean_load_mean, {prefix}/load_cv_mean,
+    {prefix}/n_dead_experts (sum), {prefix}/load_entropy_min, {prefix}/weight_entropy_mean.
+    """
+    out: dict[str, float | list] = {}
+    per_layer = {l: m for l, m in per_layer.items() if m}
+    for l, m in per_layer.items():
+        for key, v in m.items():
+            out[f"{prefix}/layer{l}/{key}"] = v
+    if per_layer:
+        ms = list(per_layer.values())
+        out[f"{prefix}/max_mean_load_max"] = max(m["max_mean_load"] for m in ms)
+        out[f"{prefix}/max_mean_load_mean"] = sum(m["max_mean_load"] for m in ms) / len(ms)
+        out[f"{prefix}/load_cv_mean"] = sum(m["load_cv"] for m in ms) / len(ms)
+        out[f"{prefix}/n_dead_experts"] = float(sum(m["n_dead_experts"] for m in ms))
+        out[f"{prefix}/load_entropy_min"] = min(m["load_entropy"] for m in ms)
+        out[f"{prefix}/weight_entropy_mean"] = sum(m["weight_entropy"] for m in ms) / len(ms)
+    return out
+
+
+__all__ = ["Router", "LatentMoE", "latent_expert", "dense_reference_forward", "aggregate_load_metrics"]
