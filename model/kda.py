@@ -175,10 +175,12 @@ def _chunk_layout(lens: list[int], C: int, device: torch.device) -> _ChunkLayout
 def _tile_consts(nt: int, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """log2(e) * tril(ones(16, 16)) (tile-local cumulative sum in log2 units) and, per row tile a, the
     mask of the entries of [A_qk rows; A_kk rows] [32, 16 (a + 1)] that are zero (upper triangle of the
-    diagonal block: r < s for A_qk, j >= s for A_kk)."""
-    tri = torch.ones(TILE, TILE, device=device).tril_()
-    zero = ~torch.cat([tri, tri.tril(-1)]).bool()
-    return tri * _LOG2E, [F.pad(zero, (a * TILE, 0), value=False) for a in range(nt)]
+    diagonal block: r < s for A_qk, j >= s for A_kk). Built outside inference mode: the result is cached,
+    and a cached inference tensor could not be saved for a later backward."""
+    with torch.inference_mode(False):
+        tri = torch.ones(TILE, TILE, device=device).tril_()
+        zero = ~torch.cat([tri, tri.tril(-1)]).bool()
+        return tri * _LOG2E, [F.pad(zero, (a * TILE, 0), value=False) for a in range(nt)]
 
 
 def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:

@@ -272,12 +272,12 @@ def test_writer_killed_at_random_point_only_complete_files_visible(tmp_path):
         proc.wait(timeout=30)
     store = TrajectoryStore(tmp_path)
     if any(p.name.endswith(".tmp") for p in tmp_path.iterdir()):  # killed mid-write
-        ctx = pytest.warns(RuntimeWarning, match="ignoring temporary file")
+        with pytest.warns(RuntimeWarning, match="ignoring temporary file"):
+            got = store.read_all()
     else:  # killed between writes: nothing to warn about
-        ctx = warnings.catch_warnings()
-        warnings.simplefilter("error")
-    with ctx:
-        got = store.read_all()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            got = store.read_all()
     files = store.files()
     assert len(files) >= 3
     assert len(got) == 2 * len(files)  # every visible file is complete: both rows of every append
