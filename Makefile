@@ -12,9 +12,11 @@ export ODYSSEY_REQUIRE_DOCKER ?= 1
 setup:
 	@bash scripts/setup.sh
 
-## The main job: a tiny end-to-end run on CPU with real Docker sandboxes.
+## The main job, end to end on CPU: SFT warm-up of the tiny policy on oracle arith episodes
+## (skipped when runs/tiny/warmup already holds it), then 32 scored episodes in real Docker sandboxes.
 demo: setup
-	$(VENV)/bin/odyssey rollout configs/tiny.yaml --episodes 32
+	$(VENV)/bin/odyssey warmup configs/tiny.yaml --out $(CURDIR)/runs/tiny/warmup
+	$(VENV)/bin/odyssey rollout configs/tiny.yaml --episodes 32 model.init_from=$(CURDIR)/runs/tiny/warmup
 
 ## The whole suite, heavy tests (docker, ray, vllm, slow) included.
 test: setup
