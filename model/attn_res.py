@@ -76,6 +76,7 @@ class AttnResStream:
     partial: torch.Tensor | None = None
 
     def sources(self) -> list[torch.Tensor]:
+        """The tensors [T, D] an AttnRes read mixes: blocks, plus the partial sum when it is open."""
         return self.blocks if self.partial is None else [*self.blocks, self.partial]
 
     def add(self, out: torch.Tensor) -> None:
@@ -92,8 +93,9 @@ class AttnResStream:
 class BlockAttnRes(nn.Module):
     """The two AttnRes reads of decoder layer `layer_idx` and its block boundary rule.
 
-    `read_attn(stream)` before the mixer, `read_ffn(stream)` before the FFN, `write(stream, out)` after
-    each sublayer, `end_layer(stream)` seals the block when (layer_idx + 1) % block_size == 0.
+    `read_attn(stream)` before the mixer, `read_ffn(stream)` before the FFN (each -> h [T, D]; the caller
+    adds each sublayer output with `stream.add`), `end_layer(stream)` seals the block when
+    (layer_idx + 1) % block_size == 0.
     """
 
     def __init__(self, hidden_size: int, layer_idx: int, block_size: int, eps: float = 1e-6) -> None:
@@ -109,10 +111,6 @@ class BlockAttnRes(nn.Module):
 
     def read_ffn(self, stream: AttnResStream) -> torch.Tensor:
         return self.ffn_read(stream.sources())
-
-    @staticmethod
-    def write(stream: AttnResStream, out: torch.Tensor) -> None:
-        stream.add(out)
 
     def end_layer(self, stream: AttnResStream) -> None:
         if (self.layer_idx + 1) % self.block_size == 0:

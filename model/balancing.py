@@ -171,10 +171,6 @@ class QuantileStats:
         self.process_group = process_group
         self._chunks: list[torch.Tensor] = []
 
-    @property
-    def n_tokens(self) -> int:
-        return sum(c.shape[0] for c in self._chunks)
-
     def add(self, scores: torch.Tensor, bias: torch.Tensor) -> None:
         if scores.shape[0]:
             self._chunks.append(routing_residuals(scores.detach(), bias.detach(), self.k))
@@ -183,9 +179,14 @@ class QuantileStats:
         self._chunks = []
 
     @torch.no_grad()
-    def solve(self, n: int, exact_max_tokens: int, bins: int) -> torch.Tensor | None:
-        """New mean-centred b [n] fp32 from the accumulated residuals, or None if no rank saw tokens."""
-        device = self._chunks[0].device if self._chunks else None
+    def solve(self, n: int, exact_max_tokens: int, bins: int,
+              device: torch.device | str | None = None) -> torch.Tensor | None:
+        """New mean-centred b [n] fp32 from the accumulated residuals, or None if no rank saw tokens.
+
+        device: where a rank that saw no tokens this step builds its empty [0, n] residuals (the bias's
+        device), so its all-reduce / all-gather tensors sit where the other ranks' do (NCCL needs CUDA).
+        """
+        device = self._chunks[0].device if self._chunks else device
         r = torch.cat(self._chunks) if self._chunks else torch.empty(0, n, device=device)
         self.clear()
         local = r.shape[0]
@@ -212,7 +213,6 @@ class QuantileStats:
                 hi = lo + 1e-6
             b = histogram_balancing_quantile(r, m, bins, lo, hi, total=total, reduce=self._sum_counts)
         return b - b.mean()
-
 
     def _sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
         if _dist_active():

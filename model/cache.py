@@ -10,7 +10,7 @@ AttnRes and the FFNs are per token and need no cache. Row n of the cache is sequ
 input (cu_seqlens order); a forward appends each sequence's new tokens to its row and returns a NEW
 cache (the input cache is never modified, so one cache can be branched with `select`).
 
-`cache_bytes_per_token` is the analytic size used by bench/model.py; tests check it against `nbytes()`.
+`cache_bytes` is the analytic size used by bench/model.py; tests check it against `nbytes()`.
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ from typing import Any
 from huggingface_hub.dataclasses import strict
 from transformers import PretrainedConfig
 
+from model.balancing import BALANCING_METHODS as BALANCING
+
 LAYER_TYPES = ("kda", "mla")
-BALANCING = ("quantile", "bias_sign", "aux_loss", "none")
 LAYER_PATTERN = ("kda", "kda", "kda", "mla")
 
 

@@ -422,6 +422,14 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def initial_dt_bias(like: torch.Tensor, g_min: float) -> torch.Tensor:
+    """Initial dt_bias [H*K] (shape/dtype/device of `like`): g0 = -exp(U(log 1e-3, 0)),
+    dt_bias = logit(g0 / g_min), so with A_log = 0 and a zero gate projection the log-decay
+    g_min * sigmoid(dt_bias) = g0 is log-uniform in [-1, -1e-3] over channels."""
+    g0 = -torch.exp(torch.empty_like(like).uniform_(math.log(1e-3), 0.0))
+    return torch.logit(g0 / g_min)
+
+
 class KDAttention(nn.Module):
     """One KDA token mixer (DESIGN.md "Model"), on packed sequences.
 
@@ -474,8 +482,7 @@ class KDAttention(nn.Module):
         """A_log = 0; dt_bias so that the initial per-token log-decay g0 (at z = 0) is log-uniform in
         [-1, -1e-3] over channels: dt_bias = logit(g0 / g_min). Call again after a generic re-init."""
         self.A_log.zero_()
-        g0 = -torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1.0)))
-        self.dt_bias.copy_(torch.logit(g0 / self.g_min))
+        self.dt_bias.copy_(initial_dt_bias(self.dt_bias, self.g_min))
 
     def forward(
         self,

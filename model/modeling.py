@@ -21,7 +21,6 @@ Importing this module registers the config/model with `AutoConfig` / `AutoModel`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +36,7 @@ from model.attn_res import AttnResRead, AttnResStream, BlockAttnRes
 from model.cache import LayerCache, OdysseyCache
 from model.config import OdysseyConfig
 from model.ffn import DenseFFN
-from model.kda import KDAttention
+from model.kda import KDAttention, initial_dt_bias
 from model.mla import GatedMLA
 from model.moe import LatentMoE, Router, aggregate_load_metrics
 from model.norm import RMSNorm
@@ -59,10 +58,6 @@ class OdysseyOutput(ModelOutput):
     loss: torch.Tensor | None = None
 
 
-def _is_moe_layer(config: OdysseyConfig, layer_idx: int) -> bool:
-    return config.n_routed_experts > 0 and layer_idx >= config.first_k_dense
-
-
 class OdysseyDecoderLayer(nn.Module):
     """One layer: AttnRes read -> RMSNorm -> mixer (KDA | MLA); AttnRes read -> RMSNorm -> FFN (dense|MoE)."""
 
@@ -76,7 +71,7 @@ class OdysseyDecoderLayer(nn.Module):
         mixer_cls = KDAttention if self.layer_type == "kda" else GatedMLA
         self.mixer = mixer_cls(config, layer_idx)
         self.ffn_norm = RMSNorm(D, eps)
-        self.is_moe = _is_moe_layer(config, layer_idx)
+        self.is_moe = layer_idx in config.moe_layer_indices
         self.mlp = LatentMoE(config, layer_idx) if self.is_moe else DenseFFN(config)
 
     def mix(self, h: torch.Tensor, cu_seqlens: torch.Tensor, layer_cache: LayerCache | None,
@@ -140,8 +135,7 @@ class OdysseyPreTrainedModel(PreTrainedModel):
             init.zeros_(module.A_log)
             if not getattr(module.dt_bias, "_is_hf_initialized", False):
                 # initial log-decay log-uniform in [-1, -1e-3] (as KDAttention.reset_gate_parameters)
-                g0 = -torch.exp(torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), 0.0))
-                init.copy_(module.dt_bias, torch.logit(g0 / module.g_min))
+                init.copy_(module.dt_bias, initial_dt_bias(module.dt_bias, module.g_min))
         elif isinstance(module, Router):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
@@ -181,11 +175,12 @@ class OdysseyModel(OdysseyPreTrainedModel):
         stream = AttnResStream([self.embed_tokens(input_ids)])
         keep = cache is not None
         new_layers: list[LayerCache] | None = [] if keep else None
-        routed, aux = [], None
+        routed, aux, j = [], None, 0  # j: index of the next MoE layer on the n_moe_layers axis
         for l, layer in enumerate(self.layers):
             replay = None
             if layer.is_moe and replay_experts is not None:
-                replay = replay_experts[:, self.moe_layer_indices.index(l)]
+                replay = replay_experts[:, j]
+            j += layer.is_moe
             layer_cache, topk = layer(stream, cu_seqlens, cache.layers[l] if keep else None, keep, replay)
             if keep:
                 new_layers.append(layer_cache)
@@ -248,6 +243,7 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel):
         return list(self.model.moe_layer_indices)
 
     def moe_layers(self) -> list[nn.Module]:
+        """The LatentMoE FFN modules, in moe_layer_indices order."""
         return [self.model.layers[l].mlp for l in self.model.moe_layer_indices]
 
     # ---- input handling -------------------------------------------------------------------------

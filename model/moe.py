@@ -245,7 +245,7 @@ class LatentMoE(nn.Module):
         new = None
         if self.balancing == "quantile":
             new = self._quantile.solve(self.n_experts, self.quantile_exact_max_tokens,
-                                       self.quantile_hist_bins)
+                                       self.quantile_hist_bins, device=self.bias.device)
         elif self.balancing == "bias_sign":
             new = self._sign.solve(self.bias, self.bias_update_speed)
         if new is not None:
