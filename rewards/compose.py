@@ -220,7 +220,7 @@ def infra_error_of(traj: Trajectory) -> str | None:
 
 def compose(traj: Trajectory, specs: Sequence[RewardSpec | dict]) -> Trajectory:
     """Score `traj` in place with every spec and return it. Never raises for a failing reward function."""
-    specs = validate_reward_specs(specs) if not all(isinstance(s, RewardSpec) for s in specs) else list(specs)
+    specs = validate_reward_specs(specs)  # RewardSpecs pass through; dicts are parsed
     if not specs:
         raise ValueError("compose needs at least one reward spec; configure `rewards:` (docs/rewards.md)")
     traj.rewards, traj.turn_rewards, traj.reward_error = {}, [], None

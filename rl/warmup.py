@@ -55,7 +55,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
+from rl.rollout.agent_loop import ChatCodec, run_episode
 
 RECIPE_FILE = "warmup.json"
 RECIPE_VERSION = 1
@@ -117,6 +117,7 @@ def make_warmup_env(env_id: str, env_kwargs: dict[str, Any]) -> Any:
         env.close()
         env = envs.make(env_id, **{**kwargs, "use_sandbox": False})
     if not callable(getattr(env, "oracle_actions", None)):
+        env.close()
         raise ValueError(
             f"env {env_id!r} has no oracle_actions(): the SFT warm-up imitates a scripted policy; "
             "implement oracle_actions() on the env (docs/envs.md) or skip the warm-up"
@@ -128,24 +129,26 @@ def oracle_transcript(env: Any, codec: ChatCodec, seed: int) -> Transcript:
     """Play `env.oracle_actions()` for task `seed` and tokenise it exactly as `run_episode` would.
 
     Raises ValueError if the oracle does not solve the task (the data would teach a failing policy)."""
-    messages, info = env.reset(seed=seed)
-    actions = list(env.oracle_actions())
-    ids = codec.render_prompt(messages, env.tool_schemas())
-    mask = [0] * len(ids)
-    success, n_turns = None, 0
-    for action in actions:
-        turn = [int(t) for t in codec.tok.encode(action, add_special_tokens=False)] + [codec.eot_id]
-        ids += turn
-        mask += [1] * len(turn)
-        n_turns += 1
-        obs, reward, terminated, truncated, step_info = env.step(action)
-        if terminated or truncated:
-            success = step_info.get("success", reward if terminated else None)
-            break
-        obs_ids = codec.continuation(obs)
-        ids += obs_ids
-        mask += [0] * len(obs_ids)
-    env.close()
+    try:
+        messages, info = env.reset(seed=seed)
+        actions = list(env.oracle_actions())
+        ids = codec.render_prompt(messages, env.tool_schemas())
+        mask = [0] * len(ids)
+        success, n_turns = None, 0
+        for action in actions:
+            turn = [int(t) for t in codec.tok.encode(action, add_special_tokens=False)] + [codec.eot_id]
+            ids += turn
+            mask += [1] * len(turn)
+            n_turns += 1
+            obs, reward, terminated, truncated, step_info = env.step(action)
+            if terminated or truncated:
+                success = step_info.get("success", reward if terminated else None)
+                break
+            obs_ids = codec.continuation(obs)
+            ids += obs_ids
+            mask += [0] * len(obs_ids)
+    finally:
+        env.close()  # returns the lease / private event loop even when the env or oracle raises
     if success is None or float(success) < 1.0:
         raise ValueError(
             f"oracle of env {getattr(env, 'env_id', env)!r} did not solve task {info.get('task_id')!r} "
@@ -248,9 +251,10 @@ def sft_loss(model: Any, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, fl
 # --------------------------------------------------------------------------------------------------- recipe
 def _env_args(cfg: Any) -> tuple[str, dict[str, Any]]:
     """(env id, envs.make kwargs) exactly as `WorkerSettings.from_config` builds them."""
-    kwargs = dict(cfg.env.kwargs)
-    kwargs.setdefault("max_turns", cfg.rollout.max_turns)
-    return cfg.env.id, kwargs
+    from rl.rollout.worker import WorkerSettings
+
+    s = WorkerSettings.from_config(cfg)
+    return s.env_id, s.env_kwargs
 
 
 def recipe(cfg: Any, params: WarmupParams) -> dict[str, Any]:
@@ -407,18 +411,12 @@ def evaluate(
     "tasks": task ids, "outcomes": per-episode outcome (None for truncated), "wall_s"}."""
     from model.tokenizer import load_tokenizer
     from rl.rollout.engine import TorchEngine
+    from rl.rollout.worker import WorkerSettings
 
     codec = ChatCodec(load_tokenizer())
-    env_id, env_kwargs = _env_args(cfg)
-    r = cfg.rollout
-    ep_cfg = EpisodeConfig(
-        max_new_tokens=r.max_new_tokens,
-        max_episode_tokens=r.max_tokens,
-        max_turns=r.max_turns,
-        temperature=temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-    )
+    settings = WorkerSettings.from_config(cfg)
+    env_id, env_kwargs = settings.env_id, settings.env_kwargs
+    ep_cfg = dataclasses.replace(settings.episode, temperature=temperature)
     engine = TorchEngine(model.eval(), detokenize=codec.decode, max_batch_size=max(64, concurrency))
     t0 = time.perf_counter()
 

@@ -125,7 +125,6 @@ class _Seq:
         "flushing",
         "last_logits",
         "future",
-        "t0",
     )
 
     def __init__(self, req: GenerationRequest, seed: int, new_session: Session):
@@ -144,7 +143,6 @@ class _Seq:
         self.flushing = False
         self.last_logits: torch.Tensor | None = self.session.next_logits if not self.todo else None
         self.future: asyncio.Future | None = None
-        self.t0 = time.perf_counter()
 
 
 def _cat_routing(parts: list[torch.Tensor]) -> np.ndarray | None:
@@ -189,6 +187,7 @@ class TorchEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: list[_Seq] = []
         self._running: list[_Seq] = []
+        self._joining: list[_Seq] = []  # taken from _pending by the step now running in the thread
         self._batch_cache: Any = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -228,19 +227,25 @@ class TorchEngine:
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Blocking: run `requests` to completion with continuous batching; results in request order."""
-        seqs = [self._new_seq(r) for r in requests]
-        pending, running, cache = list(seqs), [], None
-        while pending or running:
-            free = self.max_batch_size - len(running)
-            joining, pending = pending[:free], pending[free:]
-            running, cache, _ = self._step(running, cache, joining)
+        seqs: list[_Seq] = []
+        try:
+            seqs += (self._new_seq(r) for r in requests)
+            pending, running, cache = list(seqs), [], None
+            while pending or running:
+                free = self.max_batch_size - len(running)
+                joining, pending = pending[:free], pending[free:]
+                running, cache, _ = self._step(running, cache, joining)
+        except BaseException:  # a bad request or a failed step: no session stays marked busy
+            for s in seqs:
+                s.session.busy = False
+            raise
         return [self._result(s) for s in seqs]
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResult:
         """Awaitable single request; concurrent callers are decoded together in one batch."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop or self._task is None or self._task.done():
-            if self._running or self._pending:
+            if self._running or self._joining or self._pending:
                 raise RuntimeError("TorchEngine is serving requests on another event loop")
             self._loop, self._wake = loop, asyncio.Event()
             self._task = loop.create_task(self._serve())
@@ -259,11 +264,11 @@ class TorchEngine:
             except asyncio.CancelledError:
                 pass
         self._task = None
-        for s in self._running + self._pending:
+        for s in self._running + self._joining + self._pending:
             s.session.busy = False
             if s.future is not None and not s.future.done():
                 s.future.set_exception(RuntimeError("TorchEngine closed while this request was in flight"))
-        self._running, self._pending, self._batch_cache = [], [], None
+        self._running, self._joining, self._pending, self._batch_cache = [], [], [], None
 
     # ------------------------------------------------------------------ serving loop
     async def _serve(self) -> None:
@@ -274,6 +279,7 @@ class TorchEngine:
                 await self._wake.wait()
             free = self.max_batch_size - len(self._running)
             joining, self._pending = self._pending[:free], self._pending[free:]
+            self._joining = joining
             try:
                 running, cache, finished = await asyncio.to_thread(
                     self._step, self._running, self._batch_cache, joining
@@ -283,9 +289,9 @@ class TorchEngine:
                     if s.future is not None and not s.future.done():
                         s.future.set_exception(err)
                     s.session.busy = False
-                self._running, self._batch_cache = [], None
+                self._running, self._joining, self._batch_cache = [], [], None
                 continue
-            self._running, self._batch_cache = running, cache
+            self._running, self._joining, self._batch_cache = running, [], cache
             for s in finished:
                 if s.future is not None and not s.future.done():
                     s.future.set_result(self._result(s))

@@ -254,7 +254,10 @@ class RolloutWorker:
         s = self.settings
         if self._pool is not None or not s.shared_pool:
             return
-        probe = self.make_env()  # constructing an env leases nothing
+        try:
+            probe = self.make_env()  # constructing an env leases nothing
+        except Exception:  # no pool; run_one stores each episode marked with the construction error
+            return
         uses = bool(getattr(probe, "uses_sandbox", False))
         probe.close()
         if not uses:
@@ -306,7 +309,7 @@ class RolloutWorker:
         trajectories under "trajectories" when asked; in-process use)."""
         t0 = time.perf_counter()
         f0 = self.engine.stats.get("forward_s", 0.0) if hasattr(self.engine, "stats") else 0.0
-        self._report = WorkerReport()
+        self._report, self._done = WorkerReport(), 0
         await self._ensure_pool()
         sem = asyncio.Semaphore(max(1, self.settings.concurrency))
         trajs: list[Trajectory | None] = [None] * len(indices)
