@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -271,3 +272,63 @@ def test_update_weights_and_errors(model):
         eng.generate([GenerationRequest([], SamplingParams())])
     with pytest.raises(ValueError, match="detokenizer"):
         eng.generate([GenerationRequest([5], SamplingParams(stop_strings=("x",)))])
+
+
+def test_aclose_fails_requests_taken_for_a_running_step(model):
+    """Regression: a request `_serve` had taken for a step still running in the worker thread (`_joining`)
+    used to stay unresolved forever after aclose(); it must fail with RuntimeError and free its session."""
+    eng = TorchEngine(model)
+    first = GenerationRequest(_prompt(40, 8), SamplingParams(max_new_tokens=2, seed=0))
+    session = eng.generate([first])[0].session
+    entered, go = threading.Event(), threading.Event()
+    orig_step = eng._step
+
+    def slow_step(*args, **kwargs):
+        entered.set()
+        go.wait(10)  # hold the step in the worker thread until the test lets it go
+        return orig_step(*args, **kwargs)
+
+    eng._step = slow_step
+    req = GenerationRequest(_prompt(41, 6), SamplingParams(max_new_tokens=3, seed=1), session=session)
+
+    async def main():
+        task = asyncio.create_task(eng.agenerate(req))
+        try:
+            for _ in range(500):
+                if entered.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            assert entered.is_set() and not eng._pending  # taken by the step now in the thread
+            await eng.aclose()
+            with pytest.raises(RuntimeError, match="closed while this request was in flight"):
+                await asyncio.wait_for(task, timeout=2.0)  # a regression times out instead of hanging
+        finally:
+            go.set()
+            if not task.done():
+                task.cancel()
+
+    asyncio.run(main())
+    assert not session.busy
+
+
+def test_generate_clears_busy_when_a_request_or_step_fails(model):
+    """Regression: generate() used to leave sessions marked busy when a later request in the same call
+    failed validation or `_step` raised; the error must propagate and the session stay usable."""
+    eng = TorchEngine(model)
+    p = SamplingParams(max_new_tokens=3, seed=2)
+    session = eng.generate([GenerationRequest(_prompt(42, 8), p)])[0].session
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        eng.generate([GenerationRequest(_prompt(43, 4), p, session=session), GenerationRequest([], p)])
+    assert not session.busy
+
+    def failing_step(*args, **kwargs):
+        raise RuntimeError("step failed")
+
+    eng._step = failing_step
+    with pytest.raises(RuntimeError, match="step failed"):
+        eng.generate([GenerationRequest(_prompt(44, 4), p, session=session)])
+    assert not session.busy
+    del eng._step  # back to the class method
+
+    r = eng.generate([GenerationRequest(_prompt(45, 5), p, session=session)])[0]
+    assert r.session is session and len(r.token_ids) == 3 and not session.busy
