@@ -68,7 +68,8 @@ class OdysseyConfig(PretrainedConfig):
     - MoE: n_routed_experts (0 => every FFN dense), num_experts_per_tok (k), n_shared_experts,
       moe_latent_dim, moe_intermediate_size (per routed expert, in the latent),
       shared_expert_intermediate_size, balancing, bias_update_speed, aux_loss_coef,
-      quantile_exact_max_tokens, quantile_hist_bins, routed_scaling_factor.
+      quantile_exact_max_tokens, quantile_hist_bins, routed_scaling_factor, moe_load_window (steps over
+      which `expert_load_metrics()` reports experts that received no token).
     - vision (not wired into the text model yet): vision_hidden_size (0 = text only), vision_num_layers,
       vision_num_heads, vision_patch_size, image_token_id.
     """
@@ -113,6 +114,7 @@ class OdysseyConfig(PretrainedConfig):
     quantile_exact_max_tokens: int = 65536
     quantile_hist_bins: int = 1024
     routed_scaling_factor: float | int = 1.0
+    moe_load_window: int = 100
     # vision (reserved)
     vision_hidden_size: int = 0
     vision_num_layers: int = 0

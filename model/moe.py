@@ -159,7 +159,7 @@ class LatentMoE(nn.Module):
         self.process_group = None  # data-parallel group for the balancing all-reduces (None = default)
         self._quantile = QuantileStats(k)
         self._sign = SignStats(n)
-        self.load_tracker = ExpertLoadTracker(n, k, int(getattr(config, "moe_load_window", 100)))
+        self.load_tracker = ExpertLoadTracker(n, k, int(config.moe_load_window))
         self.reset_parameters()
 
     @torch.no_grad()
