@@ -172,15 +172,15 @@ def _chunk_layout(lens: list[int], C: int, device: torch.device) -> _ChunkLayout
 
 
 @functools.lru_cache(maxsize=16)
-def _tile_consts(nt: int, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """log2(e) * tril(ones(16, 16)) (tile-local cumulative sum in log2 units) and, per row tile a, the
-    mask of the entries of [A_qk rows; A_kk rows] [32, 16 (a + 1)] that are zero (upper triangle of the
-    diagonal block: r < s for A_qk, j >= s for A_kk). Built outside inference mode: the result is cached,
+def _tile_consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """log2(e) * tril(ones(16, 16)) (tile-local cumulative sum in log2 units) and the mask of the entries
+    of a diagonal block [A_qk rows; A_kk rows] [32, 16] that are zero (upper triangle: r < s for A_qk,
+    j >= s for A_kk). Built outside inference mode: the result is cached,
     and a cached inference tensor could not be saved for a later backward."""
     with torch.inference_mode(False):
         tri = torch.ones(TILE, TILE, device=device).tril_()
         zero = ~torch.cat([tri, tri.tril(-1)]).bool()
-        return tri * _LOG2E, [F.pad(zero, (a * TILE, 0), value=False) for a in range(nt)]
+        return tri * _LOG2E, zero
 
 
 def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
@@ -205,7 +205,8 @@ def _wy_intra_chunk(
 
     q, k: [m, H, nt, 16, K] (any strides); v: [m, H, nt, 16, V]; g: [m, nt, 16, H, K] (token layout,
     contiguous); beta: [m, H, nt, 16].
-    Returns (fp32) A_qk [m, H, C, C], u [m, H, C, V], w [m, H, C, K], Q * e^Gam [m, H, C, K],
+    Returns (fp32) the row tiles of A_qk (a list: tile a is [m, H, 16, 16 (a + 1)], the lower-triangular
+    part only), u [m, H, C, V], w [m, H, C, K], Q * e^Gam [m, H, C, K],
     (K * e^{Gam_C - Gam})^T [m, H, K, C] and e^{Gam_C} [m, H, K, 1].
 
     Decay factors are anchored per tile: with r_a = Gam just before tile a, only [T, K]-sized
@@ -220,8 +221,8 @@ def _wy_intra_chunk(
     matmuls run in q's dtype; the factors, the solve and everything after are fp32.
     """
     m, H, nt, _, K = k.shape
-    V, C, dt = v.shape[-1], nt * TILE, q.dtype
-    cumsum_log2, zero_masks = _tile_consts(nt, q.device)
+    V, dt = v.shape[-1], q.dtype
+    cumsum_log2, zero_mask = _tile_consts(q.device)
     # (Gam_s - r_a) log2(e), fp32, as a [16, 16] x [16, H*K] matmul per tile in token layout, then viewed
     # as [m, H, nt, 16, K] (strided: every op below puts a contiguous operand first)
     rel = (cumsum_log2 @ g.float().flatten(3)).unflatten(3, (H, K)).permute(0, 3, 1, 2, 4)
@@ -243,7 +244,9 @@ def _wy_intra_chunk(
         if a:
             cols = cols * fac[:, :, a, : a + 1, None]
         cols = cols.flatten(2, 3).to(dt).transpose(-1, -2)  # [m, H, K, 16 (a + 1)]
-        a_rows.append((rows[:, :, a] @ cols).float().masked_fill_(zero_masks[a], 0.0))  # [m, H, 32, 16(a+1)]
+        x = (rows[:, :, a] @ cols).float()  # [m, H, 32, 16 (a + 1)]
+        x[..., a * TILE :].masked_fill_(zero_mask, 0.0)  # causal mask, diagonal block only
+        a_rows.append(x)
     a_q = [x[:, :, :TILE] for x in a_rows]
     a_k = [x[:, :, TILE:] for x in a_rows]
 
@@ -254,15 +257,19 @@ def _wy_intra_chunk(
     G = _unit_lower_inverse(d_kk * b[..., None]) * b[..., None, :]
     e_r = r.exp2()[:, :, :, None]  # e^{Gam_s} = e^{r_a} e^{Gam_s - r_a}
     rhs = torch.cat([v.float(), x_l[:, :, :, 1] * e_r], -1)  # [m, H, nt, 16, V + K]
-    uw = [G[:, :, 0] @ rhs[:, :, 0]]
-    for a in range(1, nt):
-        uw.append(G[:, :, a] @ (rhs[:, :, a] - a_k[a][..., : a * TILE] @ torch.cat(uw, -2)))
-    u, w = torch.cat(uw, -2).split([V, K], -1)
-    A_qk = torch.cat([F.pad(x, (0, C - x.shape[-1])) for x in a_q], -2)  # [m, H, C, C]
+    # one baddbmm per (a, b < a) block: no growing concatenation of the solved tiles
+    G, rhs = G.flatten(0, 1), rhs.flatten(0, 1)  # [m*H, nt, 16, ...]
+    uw = []
+    for a in range(nt):
+        acc = rhs[:, a]
+        for c in range(a):
+            acc = torch.baddbmm(acc, a_k[a][..., c * TILE : (c + 1) * TILE].flatten(0, 1), uw[c], alpha=-1.0)
+        uw.append(torch.bmm(G[:, a], acc))
+    u, w = torch.cat(uw, -2).unflatten(0, (m, H)).split([V, K], -1)
     gam_C = r_end[:, :, -1]  # Gam_C (log2 units)  [m, H, K]
     k_dec = (k_inv * (gam_C[:, :, None] - r).exp2()[:, :, :, None]).flatten(2, 3)  # K e^{Gam_C - Gam}
     q_e = (x_l[:, :, :, 0] * e_r).flatten(2, 3)  # Q e^Gam
-    return A_qk, u, w, q_e, k_dec.transpose(-1, -2), gam_C.exp2()[..., None]
+    return a_q, u, w, q_e, k_dec.transpose(-1, -2), gam_C.exp2()[..., None]
 
 
 def chunk_kda(
@@ -339,10 +346,8 @@ def chunk_kda(
         if check_decay_bound:
             _check_tiles(gb)
         tiles = [x.permute(0, 3, 1, 2, 4) for x in (qb, kb, vb)] + [gb]  # [m, H, nt, 16, ...] views
-        A_qk, u, w, q_e, k_decT, d_end = (
-            x.flatten(0, 1)
-            for x in _wy_intra_chunk(*tiles, bb.permute(0, 3, 1, 2))  # [m*H, ...]
-        )
+        a_q, *rest = _wy_intra_chunk(*tiles, bb.permute(0, 3, 1, 2))
+        u, w, q_e, k_decT, d_end = (x.flatten(0, 1) for x in rest)  # [m*H, ...]
         sizes = [n * H for n in lay.active[j0:j1]]  # chunk step j of the block = the next n_j * H rows
         starts, Us = [], []
         for n_act, u_j, w_j, kd_j, d_j in zip(
@@ -354,8 +359,12 @@ def chunk_kda(
             starts.append(S0)
             Us.append(U)
             S = S_new if n_act == N else torch.cat([S_new, S[n_act * H :]])
-        o = torch.baddbmm(A_qk @ torch.cat(Us), q_e, torch.cat(starts))  # O = (Q e^Gam) S_0 + A_qk U
-        outs.append(o.unflatten(0, (c1 - c0, H)).transpose(1, 2))  # [m, C, H, V]
+        # O = (Q e^Gam) S_0 + A_qk U, with A_qk applied one (lower-triangular) row tile at a time
+        o = torch.bmm(q_e, torch.cat(starts)).unflatten(0, (c1 - c0, H))  # [m, H, C, V]
+        U = torch.cat(Us).unflatten(0, (c1 - c0, H))
+        for a, a_qa in enumerate(a_q):
+            o[:, :, a * TILE : (a + 1) * TILE] += a_qa @ U[:, :, : (a + 1) * TILE]
+        outs.append(o.transpose(1, 2))  # [m, C, H, V]
     final = S.unflatten(0, (N, H))[torch.argsort(lay.order)]
     if not M:
         return v.new_zeros(B, T, H, V), final
