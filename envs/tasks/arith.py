@@ -7,13 +7,13 @@ learn the whole loop (calc, then answer) after a short SFT warm-up on `oracle_ac
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from envs.tasks.difficulty import resolve_preset
 from envs.tool_call import format_tool_call
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -50,16 +50,7 @@ DIFFICULTIES: dict[int, ArithConfig] = {
 
 def resolve_config(difficulty: int, overrides: dict[str, Any] | None = None) -> ArithConfig:
     """The preset for `difficulty` with `overrides` (ArithConfig field -> value) applied."""
-    if difficulty not in DIFFICULTIES:
-        raise ValueError(f"arith difficulty must be one of {sorted(DIFFICULTIES)}, got {difficulty}")
-    overrides = dict(overrides or {})
-    fields = {f.name for f in dataclasses.fields(ArithConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"unknown arith config field(s) {unknown}; valid: {sorted(fields)}")
-    if "ops" in overrides:
-        overrides["ops"] = tuple(overrides["ops"])
-    return dataclasses.replace(DIFFICULTIES[difficulty], **overrides)
+    return resolve_preset("arith", DIFFICULTIES, difficulty, overrides)
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ runner). A task picks one template and `num_bugs` of its bugs from the seed.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from envs.tasks.difficulty import resolve_preset
 from envs.tool_call import format_tool_call
 
 
@@ -434,16 +434,8 @@ DIFFICULTIES: dict[int, CodeRepairConfig] = {
 
 
 def resolve_config(difficulty: int, overrides: dict[str, Any] | None = None) -> CodeRepairConfig:
-    if difficulty not in DIFFICULTIES:
-        raise ValueError(f"code-repair difficulty must be one of {sorted(DIFFICULTIES)}, got {difficulty}")
-    overrides = dict(overrides or {})
-    fields = {f.name for f in dataclasses.fields(CodeRepairConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"unknown code-repair config field(s) {unknown}; valid: {sorted(fields)}")
-    if "templates" in overrides:
-        overrides["templates"] = tuple(overrides["templates"])
-    return dataclasses.replace(DIFFICULTIES[difficulty], **overrides)
+    """The preset for `difficulty` with `overrides` (CodeRepairConfig field -> value) applied."""
+    return resolve_preset("code-repair", DIFFICULTIES, difficulty, overrides)
 
 
 @dataclass(frozen=True)

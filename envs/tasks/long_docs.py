@@ -15,12 +15,12 @@ default 12 words a line (~70 characters, ~21 tokens of Odyssey's tokenizer), dif
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from envs.tasks.difficulty import resolve_preset
 from envs.tool_call import format_tool_call
 
 FILLER = tuple(
@@ -96,14 +96,8 @@ DIFFICULTIES: dict[int, LongDocsConfig] = {
 
 
 def resolve_config(difficulty: int, overrides: dict[str, Any] | None = None) -> LongDocsConfig:
-    if difficulty not in DIFFICULTIES:
-        raise ValueError(f"long-docs difficulty must be one of {sorted(DIFFICULTIES)}, got {difficulty}")
-    overrides = dict(overrides or {})
-    fields = {f.name for f in dataclasses.fields(LongDocsConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"unknown long-docs config field(s) {unknown}; valid: {sorted(fields)}")
-    return dataclasses.replace(DIFFICULTIES[difficulty], **overrides)
+    """The preset for `difficulty` with `overrides` (LongDocsConfig field -> value) applied."""
+    return resolve_preset("long-docs", DIFFICULTIES, difficulty, overrides)
 
 
 @dataclass(frozen=True)
