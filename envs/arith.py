@@ -15,18 +15,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from envs.base import ToolEnv
+from envs.generated_task_env import GeneratedTaskEnv
 from envs.sandbox_scripts import calc as calc_script
 from envs.sandbox_scripts import script_source
-from envs.tasks.arith import ArithConfig, ArithTask, generate, oracle_actions, resolve_config
+from envs.tasks import arith as arith_tasks
 from envs.tools import ToolError, tool
 
 
-class ArithEnv(ToolEnv):
+class ArithEnv(GeneratedTaskEnv):
     """Multi-step arithmetic. Args: difficulty (0-3, see envs.tasks.arith.DIFFICULTIES), config
     (ArithConfig field overrides), use_sandbox (run calc in the sandbox; default True), calc_timeout_s,
     and the ToolEnv arguments (max_turns, sandbox_pool, ...)."""
 
+    tasks = arith_tasks
     env_id = "arith"
     uses_sandbox = True
     default_max_turns = 8
@@ -43,22 +44,16 @@ class ArithEnv(ToolEnv):
         sandbox_pool: Any | None = None,
         tools_in_prompt: bool = True,
     ) -> None:
-        super().__init__(max_turns=max_turns, sandbox_pool=sandbox_pool, tools_in_prompt=tools_in_prompt)
-        resolve_config(difficulty, config)  # fail fast on bad settings
-        self.difficulty, self.config_overrides = difficulty, dict(config or {})
+        super().__init__(
+            difficulty,
+            config,
+            max_turns=max_turns,
+            sandbox_pool=sandbox_pool,
+            tools_in_prompt=tools_in_prompt,
+        )
         self.uses_sandbox = use_sandbox
         self.calc_timeout_s = calc_timeout_s
         self._script = script_source("calc")
-
-    def task_config(self, options: dict[str, Any]) -> ArithConfig:
-        return resolve_config(int(options.get("difficulty", self.difficulty)), self.config_overrides)
-
-    def generate_task(self, seed: int, options: dict[str, Any]) -> ArithTask:
-        return generate(seed, self.task_config(options))
-
-    def oracle_actions(self) -> list[str]:
-        """The scripted perfect policy's turns for the current task."""
-        return oracle_actions(self.task)
 
     def _credit(self, value: float) -> None:
         for i, target in enumerate(self.task.intermediates):

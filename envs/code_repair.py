@@ -16,19 +16,20 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from envs.base import ToolEnv
+from envs.generated_task_env import GeneratedTaskEnv
 from envs.sandbox_scripts import script_source
-from envs.tasks.code_repair import CodeRepairConfig, CodeRepairTask, generate, oracle_actions, resolve_config
+from envs.tasks import code_repair as code_repair_tasks
 from envs.tools import ToolError, tool
 
 WORKDIR = "/work"
 MAX_FILE_CHARS = 100_000
 
 
-class CodeRepairEnv(ToolEnv):
+class CodeRepairEnv(GeneratedTaskEnv):
     """Args: difficulty (0-2 = 1-3 bugs), config (CodeRepairConfig overrides: num_bugs, templates),
     auto_finish, test_timeout_s (per test), run_timeout_s (whole run), and the ToolEnv arguments."""
 
+    tasks = code_repair_tasks
     env_id = "code-repair"
     uses_sandbox = True
     default_max_turns = 12
@@ -49,23 +50,18 @@ class CodeRepairEnv(ToolEnv):
         sandbox_pool: Any | None = None,
         tools_in_prompt: bool = True,
     ) -> None:
-        super().__init__(max_turns=max_turns, sandbox_pool=sandbox_pool, tools_in_prompt=tools_in_prompt)
-        resolve_config(difficulty, config)
-        self.difficulty, self.config_overrides = difficulty, dict(config or {})
+        super().__init__(
+            difficulty,
+            config,
+            max_turns=max_turns,
+            sandbox_pool=sandbox_pool,
+            tools_in_prompt=tools_in_prompt,
+        )
         self.auto_finish, self.test_timeout_s, self.run_timeout_s = auto_finish, test_timeout_s, run_timeout_s
         self._runner = script_source("run_tests")
 
-    def task_config(self, options: dict[str, Any]) -> CodeRepairConfig:
-        return resolve_config(int(options.get("difficulty", self.difficulty)), self.config_overrides)
-
-    def generate_task(self, seed: int, options: dict[str, Any]) -> CodeRepairTask:
-        return generate(seed, self.task_config(options))
-
-    def oracle_actions(self) -> list[str]:
-        return oracle_actions(self.task)
-
     async def setup(self) -> None:
-        task: CodeRepairTask = self.task
+        task: code_repair_tasks.CodeRepairTask = self.task
         await self.sandbox.awrite_file(f"{WORKDIR}/{task.module_file}", task.buggy_source.encode())
         await self.sandbox.awrite_file(f"{WORKDIR}/{task.test_file}", task.template.tests.encode())
 
@@ -78,7 +74,7 @@ class CodeRepairEnv(ToolEnv):
 
     async def run_suite(self) -> tuple[dict[str, bool], str]:
         """Run the tests in the sandbox: ({test: passed}, the report shown to the agent)."""
-        task: CodeRepairTask = self.task
+        task: code_repair_tasks.CodeRepairTask = self.task
         nonce = secrets.token_hex(8)
         names = task.template.test_names
         cmd = ["python3", "-c", self._runner, WORKDIR, task.test_file, str(self.test_timeout_s), *names]

@@ -18,9 +18,9 @@ import io
 import tarfile
 from typing import Any
 
-from envs.base import ToolEnv
+from envs.generated_task_env import GeneratedTaskEnv
 from envs.sandbox_scripts import script_source
-from envs.tasks.long_docs import LongDocsConfig, LongDocsTask, generate, oracle_actions, resolve_config
+from envs.tasks import long_docs as long_docs_tasks
 from envs.tools import ToolError, tool
 
 DOCS_DIR = "/work/docs"
@@ -37,11 +37,12 @@ def _tar(docs: dict[str, str]) -> bytes:
     return buf.getvalue()
 
 
-class LongDocsEnv(ToolEnv):
+class LongDocsEnv(GeneratedTaskEnv):
     """Args: difficulty (0-3, see envs.tasks.long_docs.DIFFICULTIES), config (LongDocsConfig overrides:
     num_docs, lines_per_doc, words_per_line, num_vaults, page_lines, grep_page_matches, list_page_docs),
     tool_timeout_s, and the ToolEnv arguments."""
 
+    tasks = long_docs_tasks
     env_id = "long-docs"
     uses_sandbox = True
     default_max_turns = 40
@@ -60,20 +61,15 @@ class LongDocsEnv(ToolEnv):
         sandbox_pool: Any | None = None,
         tools_in_prompt: bool = True,
     ) -> None:
-        super().__init__(max_turns=max_turns, sandbox_pool=sandbox_pool, tools_in_prompt=tools_in_prompt)
-        resolve_config(difficulty, config)
-        self.difficulty, self.config_overrides = difficulty, dict(config or {})
+        super().__init__(
+            difficulty,
+            config,
+            max_turns=max_turns,
+            sandbox_pool=sandbox_pool,
+            tools_in_prompt=tools_in_prompt,
+        )
         self.tool_timeout_s = tool_timeout_s
         self._script = script_source("docs")
-
-    def task_config(self, options: dict[str, Any]) -> LongDocsConfig:
-        return resolve_config(int(options.get("difficulty", self.difficulty)), self.config_overrides)
-
-    def generate_task(self, seed: int, options: dict[str, Any]) -> LongDocsTask:
-        return generate(seed, self.task_config(options))
-
-    def oracle_actions(self) -> list[str]:
-        return oracle_actions(self.task)
 
     async def setup(self) -> None:
         archive = await asyncio.to_thread(_tar, self.task.docs)
@@ -99,7 +95,7 @@ class LongDocsEnv(ToolEnv):
             out += "\n[output truncated by the sandbox's output limit: ask for a smaller page]"
         if res.exit_code != 0:
             raise ToolError(out.removeprefix("error: ") or res.stderr.strip()[-300:])
-        task: LongDocsTask = self.task
+        task: long_docs_tasks.LongDocsTask = self.task
         if task.location_fact.text in out:
             self.achieve("found_location")
         if task.code_fact.text in out:

@@ -10,8 +10,8 @@ from gymnasium import Space
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class ChatMessages(Space[list]):
-    """A list of chat messages `{"role": one of ROLES, "content": str}` (extra keys allowed)."""
+class _TextSpace(Space):
+    """A space of Python objects (no shape, no dtype, not flattenable to numpy); equal by type."""
 
     def __init__(self, seed: int | np.random.Generator | None = None) -> None:
         super().__init__(shape=None, dtype=None, seed=seed)
@@ -19,6 +19,16 @@ class ChatMessages(Space[list]):
     @property
     def is_np_flattenable(self) -> bool:
         return False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+
+class ChatMessages(_TextSpace):
+    """A list of chat messages `{"role": one of ROLES, "content": str}` (extra keys allowed)."""
 
     def contains(self, x: Any) -> bool:
         return isinstance(x, list) and all(
@@ -29,31 +39,12 @@ class ChatMessages(Space[list]):
         n = int(self.np_random.integers(1, 3))
         return [{"role": "tool", "content": f"sample {int(self.np_random.integers(1000))}"} for _ in range(n)]
 
-    def __repr__(self) -> str:
-        return "ChatMessages()"
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ChatMessages)
-
-
-class ChatText(Space[str]):
+class ChatText(_TextSpace):
     """One model turn: any string (the raw generated text, tool calls included)."""
-
-    def __init__(self, seed: int | np.random.Generator | None = None) -> None:
-        super().__init__(shape=None, dtype=None, seed=seed)
-
-    @property
-    def is_np_flattenable(self) -> bool:
-        return False
 
     def contains(self, x: Any) -> bool:
         return isinstance(x, str)
 
     def sample(self, mask: Any = None, probability: Any = None) -> str:
         return f"sample text {int(self.np_random.integers(1000))}"
-
-    def __repr__(self) -> str:
-        return "ChatText()"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ChatText)
