@@ -19,7 +19,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import platform
-import re
 import resource
 import sys
 import time
@@ -32,8 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 from model.config import OdysseyConfig  # noqa: E402
 from model.modeling import OdysseyForCausalLM  # noqa: E402
-from rl.rollout.engine import GenerationRequest, GenerationResult, Session, TorchEngine  # noqa: E402
+from rl.rollout.engine import GenerationRequest, TorchEngine  # noqa: E402
 from rl.rollout.sampling import SamplingParams  # noqa: E402
+from tests.calc_oracle_engine import CalcOracleEngine  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "rollout.json"
 
@@ -137,42 +137,6 @@ def decode_section(model, B: int, P: int, new: int, with_hf: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- agent loop
-class CalcPolicy:
-    """Scripted policy (InferenceEngine protocol): calc(task expression), then answer(calc's result)."""
-
-    weight_version = 0
-    stats: dict = {}
-
-    def __init__(self, codec):
-        self.codec = codec
-
-    async def agenerate(self, req):
-        seen = self.codec.decode(list(req.prompt_ids))
-        if req.session is None:
-            call = {
-                "name": "calc",
-                "arguments": {"expression": re.search(r"Compute (.+)\.<\|im_end\|>", seen)[1]},
-            }
-        else:
-            value = json.loads(re.search(r"<tool_response>(.*?)</tool_response>", seen, re.S)[1])
-            call = {"name": "answer", "arguments": {"value": value}}
-        ids = self.codec.tok.encode(f"<tool_call>{json.dumps(call)}</tool_call>", add_special_tokens=False)
-        return GenerationResult(
-            req.request_id,
-            ids,
-            [-1.0] * len(ids),
-            "stop_token",
-            None,
-            None,
-            req.session or Session(),
-            0,
-            len(req.prompt_ids),
-        )
-
-    def release(self, session):
-        pass
-
-
 def agent_section(episodes: int, new_tokens: int) -> dict:
     from rl.rollout.agent_loop import EpisodeConfig
     from rl.rollout.worker import RolloutWorker, WorkerSettings
@@ -188,7 +152,7 @@ def agent_section(episodes: int, new_tokens: int) -> dict:
         )
         w = RolloutWorker(s)  # TorchEngine on the tiny preset, seeded: same weights every run
         if scripted:
-            w.engine = CalcPolicy(w.codec)
+            w.engine = CalcOracleEngine()
 
         async def go():
             try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -20,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from rl.rollout.engine import GenerationResult, Session
 from rl.rollout.worker import RolloutWorker, WorkerSettings
 from rl.trajectory import TrajectoryStore
+from tests.calc_oracle_engine import CalcOracleEngine
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -61,44 +60,6 @@ def test_cli_two_ray_workers(ray_session, docker_image, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["episodes_stored"] == 4 and summary["workers"] == 2 and summary["worker_failures"] == []
     assert (run_dir / "config.yaml").exists()
-
-
-class CalcOracleEngine:
-    """A scripted policy for sandbox tests: turn 1 calls calc on the task's expression, turn 2 answers
-    calc's result (read from the observation tokens). Implements the InferenceEngine protocol."""
-
-    weight_version = 0
-
-    def __init__(self) -> None:
-        self.stats: dict = {}
-
-    async def agenerate(self, req):
-        from model.tokenizer import load_tokenizer
-        from rl.rollout.agent_loop import ChatCodec
-
-        codec = ChatCodec(load_tokenizer())
-        seen = codec.decode(list(req.prompt_ids))
-        if req.session is None:
-            expr = re.search(r"Compute (.+)\.<\|im_end\|>", seen).group(1)
-            out = json.dumps({"name": "calc", "arguments": {"expression": expr}})
-        else:
-            value = re.search(r"<tool_response>(.*?)</tool_response>", seen, re.S).group(1)
-            out = json.dumps({"name": "answer", "arguments": {"value": json.loads(value)}})
-        ids = codec.tok.encode(f"<tool_call>{out}</tool_call>", add_special_tokens=False)
-        return GenerationResult(
-            req.request_id,
-            ids,
-            [-1.0] * len(ids),
-            "stop_token",
-            None,
-            None,
-            req.session or Session(),
-            0,
-            len(req.prompt_ids),
-        )
-
-    def release(self, session) -> None:
-        pass
 
 
 @pytest.mark.slow
