@@ -73,7 +73,7 @@ def summary_table(report: WorkerReport, title: str = "rollout summary") -> Table
     t.add_row("success rate", f"{report.successes / n:.3f}")
     for k, v in report.reward_means().items():
         t.add_row(f"reward {k}", f"{v:+.4f}")
-    if not report.reward_sums:
+    if not report.rewards.sums:
         t.add_row("reward", "(no scored episodes)")
     t.add_row("turns / episode", f"{report.turns / n:.2f}")
     t.add_row("tokens (total / generated)", f"{report.tokens} / {report.generated_tokens}")
@@ -91,8 +91,12 @@ def summary_table(report: WorkerReport, title: str = "rollout summary") -> Table
 
 def report_from_dict(d: dict[str, Any]) -> WorkerReport:
     """Inverse of WorkerReport.to_dict (drops the derived fields)."""
+    from rewards.compose import RewardMetrics
+
     fields = WorkerReport.__dataclass_fields__
-    return WorkerReport(**{k: v for k, v in d.items() if k in fields})
+    kw = {k: v for k, v in d.items() if k in fields}
+    kw["rewards"] = RewardMetrics(**kw.get("rewards", {}))
+    return WorkerReport(**kw)
 
 
 def report_from_store(store_dir: str | Path, run: WorkerReport) -> WorkerReport:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from rewards.compose import RewardMetrics
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
 from rl.trajectory import Trajectory, TrajectoryStore
 
@@ -130,14 +131,12 @@ class WorkerReport:
     tool_calls: int = 0
     tool_errors: int = 0
     infra_errors: int = 0
-    reward_errors: int = 0
     terminated: int = 0
     truncated: int = 0
     successes: float = 0.0
     wall_s: float = 0.0
     engine_forward_s: float = 0.0
-    reward_sums: dict[str, float] = field(default_factory=dict)
-    reward_counts: dict[str, int] = field(default_factory=dict)
+    rewards: RewardMetrics = field(default_factory=RewardMetrics)  # per-component means, reward errors
     finish_reasons: dict[str, int] = field(default_factory=dict)
     infra_examples: list[str] = field(default_factory=list)
     workers: int = 1
@@ -154,20 +153,19 @@ class WorkerReport:
             self.infra_errors += 1
             if len(self.infra_examples) < 3:
                 self.infra_examples.append(t.infra_error[:300])
-        self.reward_errors += bool(t.reward_error)
         self.terminated += bool(t.terminated and not t.infra_error)
         self.truncated += bool(t.truncated)
         self.successes += float(t.outcome or 0.0)
-        for k, v in t.rewards.items():
-            self.reward_sums[k] = self.reward_sums.get(k, 0.0) + v
-            self.reward_counts[k] = self.reward_counts.get(k, 0) + 1
+        self.rewards.update(t)
         for r in t.metadata.get("finish_reasons", []):
             self.finish_reasons[r] = self.finish_reasons.get(r, 0) + 1
 
     def merge(self, other: WorkerReport) -> WorkerReport:
-        out = WorkerReport()
-        for k, v in asdict(self).items():
-            w = getattr(other, k)
+        out = WorkerReport(rewards=self.rewards.merge(other.rewards))
+        for k in self.__dataclass_fields__:
+            v, w = getattr(self, k), getattr(other, k)
+            if k == "rewards":
+                continue
             if isinstance(v, dict):
                 merged = dict(v)
                 for kk, vv in w.items():
@@ -181,8 +179,13 @@ class WorkerReport:
                 setattr(out, k, v + w)
         return out
 
+    @property
+    def reward_errors(self) -> int:
+        return self.rewards.n_reward_errors
+
     def reward_means(self) -> dict[str, float]:
-        return {k: self.reward_sums[k] / self.reward_counts[k] for k in sorted(self.reward_sums)}
+        """Mean of each reward component over the scored episodes."""
+        return {k: self.rewards.sums[k] / self.rewards.counts[k] for k in sorted(self.rewards.sums)}
 
     @property
     def tokens_per_s(self) -> float:
@@ -191,7 +194,9 @@ class WorkerReport:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(tokens_per_s=self.tokens_per_s, reward_means=self.reward_means())
+        d.update(
+            tokens_per_s=self.tokens_per_s, reward_means=self.reward_means(), reward_errors=self.reward_errors
+        )
         return d
 
 
