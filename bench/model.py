@@ -2,13 +2,17 @@
 
 1. chunk_kda (chunkwise WY form, chunk 64) vs naive_recurrent_kda (token loop) at [1, T, H=4, K=V=64],
    T = 1K and 8K, fp32, forward only, 1 thread, median CPU (process) time. Target: >= 10x at 8K.
+   chunk_kda runs as the model runs it without autograd: with its fused CPU kernels (model/kda_cpu.cpp).
+   Also reported: the same call on the torch reference path (ODYSSEY_KDA_CPU_KERNEL=0; the autograd path
+   uses it), and chunk size 32.
 2. Forward throughput (tokens/s) of the tiny preset (4 x 512 tokens packed) and the small preset (1 x 2048).
 3. Decode-cache bytes per token at 128K context, ours (MLA latent per MLA layer + constant KDA state amortised
    over the context) vs a standard GQA KV cache in EVERY layer (8 KV heads x head_dim 128 for k3, K and V,
    bf16) and vs a full-width MHA cache (K and V of width hidden_size). This ratio is the reason for the
    architecture. Also checks the analytic size against a real cache built by the tiny model.
 
-KDA times are the median process (CPU) time of several interleaved rounds (naive, chunk 64, chunk 32):
+KDA times are the median process (CPU) time of several interleaved rounds (naive, chunk 64, chunk 64 on
+the torch path, chunk 32), each timed call right after an untimed call of the same function:
 the dev machines are shared, CPU time is less sensitive to other processes than wall time, and
 interleaving gives all three the same load. The other sections report the best of `--repeats`.
 Usage: .venv/bin/python bench/model.py [--quick] [--out bench/results/model.json]
@@ -29,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from model import kda_cpu  # noqa: E402
 from model.cache import cache_bytes, gqa_cache_bytes  # noqa: E402
 from model.config import OdysseyConfig  # noqa: E402
 from model.kda import chunk_kda, kda_gate, naive_recurrent_kda  # noqa: E402
@@ -48,16 +53,27 @@ def best_time(fn, repeats: int) -> float:
 
 
 def median_cpu_times(fns: list, repeats: int) -> list[float]:
-    """Median process (CPU) time of each fn, run in rounds (fn_0, fn_1, ...) x repeats after a warm-up."""
-    for fn in fns:
-        fn()
+    """Median process (CPU) time of each fn over `repeats` rounds. A round runs every fn in turn, so that all
+    see the same machine load; each fn is called once untimed right before its timed call, so that each is
+    timed in its own steady state (the naive loop churns ~400 MB of heap per call and leaves the caches
+    cold: whatever runs right after it is up to 1.5x slower)."""
     times = [[] for _ in fns]
     for _ in range(repeats):
         for fn, ts in zip(fns, times):
+            fn()
             t0 = time.process_time()
             fn()
             ts.append(time.process_time() - t0)
     return [statistics.median(ts) for ts in times]
+
+
+def torch_path(fn, *args, **kwargs):
+    """fn on chunk_kda's torch reference path (the fused CPU kernels switched off for this call)."""
+    os.environ["ODYSSEY_KDA_CPU_KERNEL"] = "0"
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        del os.environ["ODYSSEY_KDA_CPU_KERNEL"]
 
 
 def kda_inputs(T: int, H: int = 4, K: int = 64, seed: int = 0):
@@ -76,10 +92,11 @@ def bench_kda(lengths: list[int], repeats: int) -> list[dict]:
     for T in lengths:
         q, k, v, g, beta = kda_inputs(T)
         args = (q, k, v, g, beta)
-        # interleaved, so that all three see the same load on a shared machine
-        t_naive, t_chunk, t_c32 = median_cpu_times(
+        # interleaved, so that all four see the same load on a shared machine
+        t_naive, t_chunk, t_torch, t_c32 = median_cpu_times(
             [lambda args=args: naive_recurrent_kda(*args),
              lambda args=args: chunk_kda(*args, chunk_size=64),
+             lambda args=args: torch_path(chunk_kda, *args, chunk_size=64),
              lambda args=args: chunk_kda(*args, chunk_size=32)],
             max(5, repeats),
         )
@@ -87,11 +104,14 @@ def bench_kda(lengths: list[int], repeats: int) -> list[dict]:
         o_c, s_c = chunk_kda(q, k, v, g, beta, chunk_size=64)
         rel = float((o_c - o_n).pow(2).mean().sqrt() / o_n.pow(2).mean().sqrt())
         rows.append({"T": T, "H": 4, "K": 64, "V": 64, "chunk_size": 64, "timer": "median process time",
+                     "fused_cpu_kernels": kda_cpu.load() is not None,
                      "naive_s": t_naive, "chunk_s": t_chunk, "speedup": t_naive / t_chunk,
+                     "chunk_torch_path_s": t_torch, "speedup_torch_path": t_naive / t_torch,
                      "chunk32_s": t_c32, "speedup_chunk32": t_naive / t_c32, "rel_rms_error": rel})
         print(f"KDA T={T:5d}: naive {t_naive * 1e3:8.1f} ms  chunk {t_chunk * 1e3:7.1f} ms  "
-              f"speedup {t_naive / t_chunk:6.1f}x  (chunk 32: {t_c32 * 1e3:7.1f} ms, "
-              f"{t_naive / t_c32:5.1f}x)  (rel-RMS {rel:.1e})")
+              f"speedup {t_naive / t_chunk:6.1f}x  (torch path: {t_torch * 1e3:7.1f} ms, "
+              f"{t_naive / t_torch:5.1f}x; chunk 32: {t_c32 * 1e3:7.1f} ms, {t_naive / t_c32:5.1f}x)  "
+              f"(rel-RMS {rel:.1e})")
     return rows
 
 
@@ -175,6 +195,7 @@ def main() -> int:
     at = {r["T"]: r["speedup"] for r in res["kda"]}
     res["summary"] = {
         "kda_speedup_at_8k": at.get(8192),
+        "kda_speedup_at_8k_torch_path": {r["T"]: r["speedup_torch_path"] for r in res["kda"]}.get(8192),
         "kda_speedup_at_8k_chunk32": {r["T"]: r["speedup_chunk32"] for r in res["kda"]}.get(8192),
         "kda_target_10x_met": at.get(8192, 0) >= 10 if 8192 in at else None,
         "tiny_forward_tokens_per_s": res["forward"][0]["tokens_per_s"],

@@ -51,12 +51,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import kda_cpu
 from model.norm import RMSNorm
 from model.short_conv import causal_short_conv, seq_lens_from_cu
 
 TILE = 16  # tokens per dense diagonal tile
 MAX_TILE_LOG_DECAY = 80.0  # |sum of g over one tile| allowed: e^80 ~ 5.5e34 < 3.4e38 (fp32/bf16 max)
 _LOG2E = math.log2(math.e)  # decay factors are formed as exp2(log2(e) * log-decay)
+_LOG2_FLOOR = -100.0  # chunk-level decay factors below 2^-100 are set to 0 (`_decay`)
 _CPU_BLOCK_ELEMS = 1 << 17  # on CPU, chunk_kda works on blocks of ~this many [.., C, K] elements (cache)
 
 
@@ -173,14 +175,14 @@ def _chunk_layout(lens: list[int], C: int, device: torch.device) -> _ChunkLayout
 
 @functools.lru_cache(maxsize=16)
 def _tile_consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """log2(e) * tril(ones(16, 16)) (tile-local cumulative sum in log2 units) and the mask of the entries
-    of a diagonal block [A_qk rows; A_kk rows] [32, 16] that are zero (upper triangle: r < s for A_qk,
-    j >= s for A_kk). Built outside inference mode: the result is cached,
-    and a cached inference tensor could not be saved for a later backward."""
+    """log2(e) * [T; -T] with T = tril(ones(16, 16)) (+- the tile-local cumulative sum in log2 units) and
+    the mask of the entries of a diagonal block [A_qk rows; A_kk rows] [32, 16] that are zero (upper
+    triangle: r < s for A_qk, j >= s for A_kk). Built outside inference mode: the result is cached, and a
+    cached inference tensor could not be saved for a later backward."""
     with torch.inference_mode(False):
         tri = torch.ones(TILE, TILE, device=device).tril_()
         zero = ~torch.cat([tri, tri.tril(-1)]).bool()
-        return tri * _LOG2E, zero
+        return torch.cat([tri, -tri]) * _LOG2E, zero
 
 
 def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
@@ -198,78 +200,119 @@ def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
     return P.view(L.shape)
 
 
+def _decay(log2_factor: torch.Tensor) -> torch.Tensor:
+    """2^x for a log2 decay factor x <= 0, set to exactly 0 below 2^-100 (~8e-31).
+
+    Chunk-level decay factors reach e^-320. Below 2^-100 they are far under fp32 resolution of the O(1)
+    terms they are added to, and keeping them would make denormal floats, which slow CPU arithmetic
+    several-fold; 2^-inf = 0 exactly.
+    """
+    return F.threshold(log2_factor, _LOG2_FLOOR, -math.inf).exp2()
+
+
 def _wy_intra_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """Per-chunk quantities of (3), for m chunks of nt = C / 16 tiles at once.
+    """Per-chunk quantities of (3), for m chunks of nt = C / 16 tiles at once (the reference and autograd
+    path; `_wy_intra_chunk_fused` is the same computation with fused CPU kernels).
 
     q, k: [m, H, nt, 16, K] (any strides); v: [m, H, nt, 16, V]; g: [m, nt, 16, H, K] (token layout,
     contiguous); beta: [m, H, nt, 16].
-    Returns (fp32) the row tiles of A_qk (a list: tile a is [m, H, 16, 16 (a + 1)], the lower-triangular
-    part only), u [m, H, C, V], w [m, H, C, K], Q * e^Gam [m, H, C, K],
-    (K * e^{Gam_C - Gam})^T [m, H, K, C] and e^{Gam_C} [m, H, K, 1].
+    Returns, fp32: the diagonal 16-blocks of [A_qk; A_kk] [m, H, nt, 32, 16] (masked), the row tiles of
+    [A_qk; A_kk] left of their diagonal block (a list; tile a >= 1 is [m, H, 32, 16 a]), u [m, H, C, V],
+    w [m, H, C, K], Q * e^Gam [m, H, C, K], (K * e^{Gam_C - Gam})^T [m, H, K, C] and e^{Gam_C} [m, H, K, 1].
 
-    Decay factors are anchored per tile: with r_a = Gam just before tile a, only [T, K]-sized
-    exponentials are formed (the pairwise [16, 16, K] decay tensor never is):
-      left = e^{Gam_s - r_a}   in [e^-80, 1]  rows of tile a (q and k)
-      inv  = e^{r_a - Gam_j}   in [1, e^80]   columns of tile a; for row tile a' > a they are rescaled
-                                               by e^{r_a' - r_a} <= 1, so e^{r_a' - Gam_j} <= 1
-    so row tile a of A is ONE dense matmul [16, K] x [K, 16 (a + 1)] (then the causal mask on its
-    diagonal block). Only the diagonal block needs a factor above 1, e^{r_a - Gam_j} <= e^{-(tile sum)}:
-    the lower bound g >= -5 keeps it <= e^80. Gam - r_a is a tile-local cumulative sum (a matmul with a
-    lower-triangular matrix), in fp32 and in log2 units (exp2 is ~3x cheaper than exp on CPU). The tile
-    matmuls run in q's dtype; the factors, the solve and everything after are fp32.
+    Decay factors are anchored per tile: with r_a = Gam just before tile a and r_{a+1} its end, only
+    [T, K]-sized exponentials are formed (the pairwise [16, 16, K] decay tensor never is):
+      left  = e^{Gam_s - r_a}      in [e^-80, 1]   rows of tile a (q and k)
+      inv   = e^{r_a - Gam_j}      in [1, e^80]    columns of the diagonal block
+      k_end = k e^{r_{a+1} - Gam}  in [e^-80, 1]|k| columns of tile b < a, rescaled by e^{r_a - r_{b+1}} <= 1
+    so the diagonal blocks of all tiles are ONE batched matmul (then the causal mask) and the rest of row
+    tile a is one more. Only the diagonal block needs a factor above 1, e^{r_a - Gam_j} <= e^{-(tile sum)}:
+    the lower bound g >= -5 keeps it <= e^80. Chunk-level factors (e^{r_a}, e^{Gam_C - r_{a+1}},
+    e^{r_a - r_{b+1}}, e^{Gam_C}) go through `_decay` (0 below 2^-100). Gam - r_a is a tile-local
+    cumulative sum (a matmul with [tril; -tril]), in fp32 and in log2 units (exp2 is ~3x cheaper than exp
+    on CPU). The tile matmuls run in q's dtype; the factors, the solve and everything after are fp32.
     """
     m, H, nt, _, K = k.shape
-    V, dt = v.shape[-1], q.dtype
+    dt = q.dtype
     cumsum_log2, zero_mask = _tile_consts(q.device)
-    # (Gam_s - r_a) log2(e), fp32, as a [16, 16] x [16, H*K] matmul per tile in token layout, then viewed
-    # as [m, H, nt, 16, K] (strided: every op below puts a contiguous operand first)
-    rel = (cumsum_log2 @ g.float().flatten(3)).unflatten(3, (H, K)).permute(0, 3, 1, 2, 4)
-    s = rel[:, :, :, -1]  # tile sums (log2 units), >= -80 log2(e) under the bound  [m, H, nt, K]
+    # +-(Gam_s - r_a) log2(e), fp32, as a [32, 16] x [16, H*K] matmul per tile in token layout; its exp2
+    # gives the tile-local factors left = e^{Gam_s - r_a} and inv = e^{r_a - Gam_s}
+    rel = (cumsum_log2 @ g.float().flatten(3)).unflatten(3, (H, K))  # [m, nt, 32, H, K]
+    s = rel[:, :, TILE - 1].permute(0, 2, 1, 3)  # tile sums (log2) [m, H, nt, K], >= -80 log2(e) if bounded
     r_end = s.cumsum(2)  # r_{a+1}
-    r = F.pad(r_end[:, :, :-1], (0, 0, 1, 0))  # r_a (0 for the first tile)
-    left = rel.exp2()
+    r = r_end - s  # r_a (0 for the first tile)
+    left, inv = rel.exp2().permute(0, 3, 1, 2, 4).split(TILE, 3)  # [m, H, nt, 16, K] each
     qk = torch.stack([q, k], 3).float()  # [m, H, nt, 2, 16, K]: q rows then k rows of each tile
     x_l = qk * left[:, :, :, None]  # [q; k] e^{Gam_s - r_a}
-    k_inv = qk[:, :, :, 1] * (-rel).exp2()  # factor up to e^80 under the bound; inf without it (overflow)
+    k_inv = qk[:, :, :, 1] * inv  # k_j e^{r_a - Gam_j}: up to e^80 under the bound; inf without it
+    k_end = k_inv * s.exp2()[:, :, :, None]  # k_j e^{r_{a+1} - Gam_j}, in [e^-80, 1] |k_j|
     rows = x_l.to(dt).flatten(3, 4)  # [m, H, nt, 32, K]
 
-    # row tile a of A_qk / A_kk: [q_a; k_a] e^{Gam - r_a} times (k_j e^{r_b - Gam_j}) e^{r_a - r_b}, b <= a
-    # e^{r_a - r_b} <= 1 for b <= a (g <= 0); b > a is never used and clamped to 1  [m, H, nt(a), nt(b), K]
-    fac = (r[:, :, :, None] - r[:, :, None, :]).clamp_max(0.0).exp2()
-    a_rows = []
-    for a in range(nt):
-        cols = k_inv[:, :, : a + 1]
-        if a:
-            cols = cols * fac[:, :, a, : a + 1, None]
-        cols = cols.flatten(2, 3).to(dt).transpose(-1, -2)  # [m, H, K, 16 (a + 1)]
-        x = (rows[:, :, a] @ cols).float()  # [m, H, 32, 16 (a + 1)]
-        x[..., a * TILE :].masked_fill_(zero_mask, 0.0)  # causal mask, diagonal block only
-        a_rows.append(x)
-    a_q = [x[:, :, :TILE] for x in a_rows]
-    a_k = [x[:, :, TILE:] for x in a_rows]
+    # diagonal 16-blocks of [A_qk; A_kk] for all tiles in one batched matmul, then the causal mask
+    diag = (rows @ k_inv.to(dt).transpose(-1, -2)).float().masked_fill_(zero_mask, 0.0)  # [m, H, nt, 32, 16]
+    # off-diagonal part of row tile a: columns k_end e^{r_a - r_{b+1}} (<= 1) of the tiles b < a
+    fac = _decay((r[:, :, :, None] - r_end[:, :, None]).clamp_max(0.0))  # [m, H, nt (a), nt (b), K]
+    off_cols = [(k_end[:, :, :a] * fac[:, :, a, :a, None]).flatten(2, 3).to(dt) for a in range(1, nt)]
+    off_rows = [None] + [(rows[:, :, a] @ c.transpose(-1, -2)).float() for a, c in enumerate(off_cols, 1)]
 
     # block forward substitution for (I + B A_kk) [u | w] = B [V | K e^Gam], B = Diag(beta):
     # X_a = (I + B_a A_aa)^{-1} B_a (R_a - A_{a,<a} X_{<a})
     b = beta.float()
-    d_kk = torch.stack([x[..., -TILE:] for x in a_k], 2)  # diagonal blocks  [m, H, nt, 16, 16]
-    G = _unit_lower_inverse(d_kk * b[..., None]) * b[..., None, :]
-    e_r = r.exp2()[:, :, :, None]  # e^{Gam_s} = e^{r_a} e^{Gam_s - r_a}
-    rhs = torch.cat([v.float(), x_l[:, :, :, 1] * e_r], -1)  # [m, H, nt, 16, V + K]
-    # one baddbmm per (a, b < a) block: no growing concatenation of the solved tiles
-    G, rhs = G.flatten(0, 1), rhs.flatten(0, 1)  # [m*H, nt, 16, ...]
-    uw = []
-    for a in range(nt):
-        acc = rhs[:, a]
-        for c in range(a):
-            acc = torch.baddbmm(acc, a_k[a][..., c * TILE : (c + 1) * TILE].flatten(0, 1), uw[c], alpha=-1.0)
-        uw.append(torch.bmm(G[:, a], acc))
-    u, w = torch.cat(uw, -2).unflatten(0, (m, H)).split([V, K], -1)
-    gam_C = r_end[:, :, -1]  # Gam_C (log2 units)  [m, H, K]
-    k_dec = (k_inv * (gam_C[:, :, None] - r).exp2()[:, :, :, None]).flatten(2, 3)  # K e^{Gam_C - Gam}
+    G = _unit_lower_inverse(diag[..., TILE:, :] * b[..., None]) * b[..., None, :]  # [m, H, nt, 16, 16]
+    e_r = _decay(r)[:, :, :, None]  # e^{Gam_s} = e^{r_a} e^{Gam_s - r_a}
+    tile_major = (2, 0, 1, 3, 4)  # [m, H, nt, ...] -> [nt, m, H, ...]
+    rhs = torch.cat([v.float().permute(tile_major), (x_l[:, :, :, 1] * e_r).permute(tile_major)], -1)
+    u, w = _forward_substitution(G.permute(tile_major), rhs, off_rows, K)
+    gam_C = r_end[:, :, -1:]  # Gam_C (log2 units)  [m, H, 1, K]
+    k_dec = (k_end * _decay(gam_C - r_end)[:, :, :, None]).flatten(2, 3)  # K e^{Gam_C - Gam}
     q_e = (x_l[:, :, :, 0] * e_r).flatten(2, 3)  # Q e^Gam
-    return a_q, u, w, q_e, k_dec.transpose(-1, -2), gam_C.exp2()[..., None]
+    return diag, off_rows, u, w, q_e, k_dec.transpose(-1, -2), _decay(gam_C).transpose(-1, -2)
+
+
+def _forward_substitution(
+    G: torch.Tensor, rhs: torch.Tensor, off_rows: list, K: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Solve (I + B A_kk) [u | w] = B [V | K e^Gam] tile by tile: X_a = G_a (R_a - A_{a,<a} X_{<a}).
+
+    Tile-major inputs: G [nt, m, H, 16, 16] = (I + B_a A_kk[a, a])^{-1} B_a (any strides); rhs
+    [nt, m, H, 16, V + K]; off_rows[a]: row tile a of [A_qk; A_kk] left of its diagonal block,
+    [m, H, 32, 16 a] (a >= 1). Returns u [m, H, C, V] and w [m, H, C, K]. One baddbmm per (a, c < a) block,
+    the first into a new tensor and the rest in place (rhs itself is never written: autograd saves its
+    tiles), and no growing concatenation of the solved tiles.
+    """
+    nt, m, H = G.shape[:3]
+    X = []
+    for a in range(nt):
+        acc = rhs[a].flatten(0, 1)  # [m*H, 16, V + K]
+        for c in range(a):
+            block = off_rows[a][:, :, TILE:, c * TILE : (c + 1) * TILE].flatten(0, 1)
+            if c == 0:
+                acc = torch.baddbmm(acc, block, X[c], alpha=-1.0)
+            else:
+                acc.baddbmm_(block, X[c], alpha=-1.0)
+        X.append(torch.bmm(G[a].flatten(0, 1), acc))
+    return torch.cat(X, -2).unflatten(0, (m, H)).split([rhs.shape[-1] - K, K], -1)
+
+
+def _wy_intra_chunk_fused(
+    kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """`_wy_intra_chunk` with its elementwise work in the fused CPU kernels (model/kda_cpu.cpp); fp32, no
+    autograd. Same math and same returns; here the inputs are the block's tokens in token layout:
+    q, k, g [m, C, H, K], v [m, C, H, V], beta [m, C, H] (contiguous fp32).
+    """
+    m, C, H, K = q.shape
+    nt = C // TILE
+    rows, k_inv, cols, rhs, q_e, k_dec, d_end = kernels.tile_factors(q, k, v, g)
+    diag = rows @ k_inv.transpose(-1, -2)  # [m, H, nt, 32, 16], masked in place by tile_inverse
+    G = kernels.tile_inverse(diag, beta)
+    off_rows = [None] + [  # row tile a, columns of the tiles b < a: rows 8 a (a - 1) .. 8 a (a + 1) of cols
+        rows[:, :, a] @ cols[:, :, 8 * a * (a - 1) : 8 * a * (a + 1)].transpose(-1, -2) for a in range(1, nt)
+    ]
+    u, w = _forward_substitution(G, rhs, off_rows, K)
+    return diag, off_rows, u, w, q_e, k_dec.transpose(-1, -2), d_end
 
 
 def chunk_kda(
@@ -333,6 +376,9 @@ def chunk_kda(
     # S_0 -> S_C is the only loop over chunk steps (two batched matmul-adds per step).
     max_c, nt = len(lay.active), C // TILE
     per_block = max_c if q.device.type != "cpu" else max(1, _CPU_BLOCK_ELEMS // (N * H * C * max(K, V)))
+    fused = _fused_kernels(q, k, v, g, beta, initial_state)
+    # bound check: one pass over g; the exact 16-token tile sums are only needed if a token is below -5
+    check_tiles = check_decay_bound and M > 0 and _tokens_outside_bound(g)
     outs = []
     for j0 in range(0, max_c, per_block):
         j1 = min(j0 + per_block, max_c)
@@ -343,27 +389,38 @@ def chunk_kda(
             (t[slots] if lay.identity else t[lay.src[slots]]).unflatten(0, (c1 - c0, nt, TILE))
             for t in tokens
         )
-        if check_decay_bound:
+        if check_tiles:
             _check_tiles(gb)
-        tiles = [x.permute(0, 3, 1, 2, 4) for x in (qb, kb, vb)] + [gb]  # [m, H, nt, 16, ...] views
-        a_q, *rest = _wy_intra_chunk(*tiles, bb.permute(0, 3, 1, 2))
+        if fused is not None:  # token layout [m, C, H, ...]
+            diag, off_rows, *rest = _wy_intra_chunk_fused(
+                fused, *(x.flatten(1, 2).contiguous() for x in (qb, kb, vb, gb, bb))
+            )
+        else:
+            tiles = [x.permute(0, 3, 1, 2, 4) for x in (qb, kb, vb)] + [gb]  # [m, H, nt, 16, ...] views
+            diag, off_rows, *rest = _wy_intra_chunk(*tiles, bb.permute(0, 3, 1, 2))
         u, w, q_e, k_decT, d_end = (x.flatten(0, 1) for x in rest)  # [m*H, ...]
         sizes = [n * H for n in lay.active[j0:j1]]  # chunk step j of the block = the next n_j * H rows
-        starts, Us = [], []
-        for n_act, u_j, w_j, kd_j, d_j in zip(
-            lay.active[j0:j1], *(x.split(sizes) for x in (u, w, k_decT, d_end))
-        ):
-            S0 = S[: n_act * H]
-            U = torch.baddbmm(u_j, w_j, S0, alpha=-1.0)  # U = u - w S_0  [n*H, C, V]
-            S_new = torch.baddbmm(d_j * S0, kd_j, U)  # S_C = Diag(e^{Gam_C}) S_0 + (K e^{Gam_C - Gam})^T U
-            starts.append(S0)
-            Us.append(U)
-            S = S_new if n_act == N else torch.cat([S_new, S[n_act * H :]])
-        # O = (Q e^Gam) S_0 + A_qk U, with A_qk applied one (lower-triangular) row tile at a time
-        o = torch.bmm(q_e, torch.cat(starts)).unflatten(0, (c1 - c0, H))  # [m, H, C, V]
-        U = torch.cat(Us).unflatten(0, (c1 - c0, H))
-        for a, a_qa in enumerate(a_q):
-            o[:, :, a * TILE : (a + 1) * TILE] += a_qa @ U[:, :, : (a + 1) * TILE]
+        if fused is not None:
+            S_starts, U, S = fused.state_recurrence(u, w, k_decT, d_end, S, sizes)
+        else:
+            starts, Us = [], []
+            for n_act, u_j, w_j, kd_j, d_j in zip(
+                lay.active[j0:j1], *(x.split(sizes) for x in (u, w, k_decT, d_end))
+            ):
+                S0 = S[: n_act * H]
+                U = torch.baddbmm(u_j, w_j, S0, alpha=-1.0)  # U = u - w S_0  [n*H, C, V]
+                S_new = torch.baddbmm(d_j * S0, kd_j, U)  # S_C = Diag(e^Gam_C) S_0 + (K e^{Gam_C - Gam})^T U
+                starts.append(S0)
+                Us.append(U)
+                S = S_new if n_act == N else torch.cat([S_new, S[n_act * H :]])
+            S_starts, U = torch.cat(starts), torch.cat(Us)  # [m*H, K, V], [m*H, C, V]
+        # O = (Q e^Gam) S_0 + A_qk U: the diagonal blocks of A_qk for all tiles in one batched matmul, then
+        # the off-diagonal part of each row tile
+        o = torch.bmm(q_e, S_starts)  # [m*H, C, V]
+        o.view(-1, TILE, V).baddbmm_(diag[..., :TILE, :].reshape(-1, TILE, TILE), U.view(-1, TILE, V))
+        for a in range(1, nt):
+            o[:, a * TILE : (a + 1) * TILE] += off_rows[a][:, :, :TILE].flatten(0, 1) @ U[:, : a * TILE]
+        o = o.unflatten(0, (c1 - c0, H))  # [m, H, C, V]
         outs.append(o.transpose(1, 2))  # [m, C, H, V]
     final = S.unflatten(0, (N, H))[torch.argsort(lay.order)]
     if not M:
@@ -374,16 +431,40 @@ def chunk_kda(
     return o.reshape(B, T, H, V).to(v.dtype), final
 
 
+def _fused_kernels(*tensors: torch.Tensor | None) -> Any:
+    """The fused CPU kernels (model/kda_cpu.py) if they apply: every tensor fp32 on CPU and no autograd
+    graph to build. Otherwise None, and chunk_kda runs the torch reference `_wy_intra_chunk`."""
+    ts = [t for t in tensors if t is not None]
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in ts):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return None
+    return kda_cpu.load()
+
+
+def _tokens_outside_bound(g: torch.Tensor) -> bool:
+    """One pass over the log-decay g: raise if some g > 0; True if some token is below -80 / 16 = -5,
+    in which case `_check_tiles` must check the 16-token sums exactly (kda_gate never produces that)."""
+    lo, hi = (float(x) for x in torch.aminmax(g.detach()))
+    if hi > 0:
+        _raise_decay_bound(None, hi)
+    return lo < -MAX_TILE_LOG_DECAY / TILE
+
+
 def _check_tiles(g: torch.Tensor) -> None:
-    """Raise unless every 16-token tile of the log-decay g [m, nt, 16, H, K] sums to >= -80 and g <= 0."""
-    lo, hi = torch.stack([g.float().sum(2).min(), g.max().float()]).tolist()
-    if lo < -MAX_TILE_LOG_DECAY - 1e-3 or hi > 0:
-        raise ValueError(
-            f"chunk_kda: g must be a log-decay in [-5, 0] per token (16-token tile sum >= "
-            f"-{MAX_TILE_LOG_DECAY:.0f}); got min tile sum {lo:.1f}, max g {hi:.3g}. The dense diagonal "
-            "tiles would overflow. Produce g with kda_gate(), or pass check_decay_bound=False to run "
-            "anyway."
-        )
+    """Raise unless every 16-token tile of the log-decay g [m, nt, 16, H, K] sums to >= -80."""
+    lo = float(g.float().sum(2).min())
+    if lo < -MAX_TILE_LOG_DECAY - 1e-3:
+        _raise_decay_bound(lo, None)
+
+
+def _raise_decay_bound(min_tile_sum: float | None, max_g: float | None) -> None:
+    got = f"min tile sum {min_tile_sum:.1f}" if min_tile_sum is not None else f"max g {max_g:.3g} > 0"
+    raise ValueError(
+        f"chunk_kda: g must be a log-decay in [-5, 0] per token (16-token tile sum >= "
+        f"-{MAX_TILE_LOG_DECAY:.0f}); got {got}. The dense diagonal tiles would overflow. Produce g with "
+        "kda_gate(), or pass check_decay_bound=False to run anyway."
+    )
 
 
 # ------------------------------------------------------------------------------------------------ layer

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import model.kda as kda_mod
+from model import kda_cpu
 from model.kda import (
     KDALayerState,
     KDAttention,
@@ -94,9 +95,18 @@ def test_naive_matches_literal_matrix_recurrence():
 
 
 # ------------------------------------------------------------------------------------------ chunk == naive
+@pytest.fixture(params=["fused", "torch"])
+def cpu_path(request, monkeypatch):
+    """Without autograd, fp32 chunk_kda on CPU runs the fused kernels (model/kda_cpu.cpp); also run the torch
+    reference path (`_wy_intra_chunk`, the autograd path) on the same inputs."""
+    if request.param == "torch":
+        monkeypatch.setenv("ODYSSEY_KDA_CPU_KERNEL", "0")
+    return request.param
+
+
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_chunk_matches_naive(chunk_size, with_state):
+def test_chunk_matches_naive(chunk_size, with_state, cpu_path):
     """Fixed-length batch, T not a multiple of the chunk. Tolerance: rel-RMS < 5e-3 (fp32)."""
     B, T = 2, 100
     q, k, v, g, beta = make_inputs(B, T, seed=chunk_size)
@@ -117,7 +127,7 @@ def cpu_blocks(request, monkeypatch):
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
-def test_chunk_varlen_matches_naive_per_sequence(chunk_size, cpu_blocks):
+def test_chunk_varlen_matches_naive_per_sequence(chunk_size, cpu_blocks, cpu_path):
     """Packed ragged lengths (with an empty one): state resets at each boundary, per-sequence initial
     states, no leakage; with one or many blocks. Tolerance: rel-RMS < 5e-3 (fp32) per sequence."""
     lens = [37, 64, 0, 5, 100]
@@ -242,6 +252,65 @@ def test_control_unbounded_gate_overflows_dense_tiles(dtype):
     o_b_ref, _ = naive_recurrent_kda(q, k, v, g_b, beta)
     assert torch.isfinite(o_b).all()
     assert rel_rms(o_b.float(), o_b_ref) < (FP32_TOL if dtype == torch.float32 else 2e-2)
+
+
+def test_fused_cpu_kernels_build():
+    """`make setup` compiles model/kda_cpu.cpp; if it cannot, chunk_kda would fall back to the slower torch
+    path with a warning. Here that is a failure, so CI never passes on the fallback unnoticed."""
+    assert kda_cpu.load() is not None, "kda_cpu.cpp did not build: run python -m model.kda_cpu --verbose"
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_fused_cpu_path_equals_torch_path(chunk_size, cpu_blocks, monkeypatch):
+    """The fused kernels (tile factors with their own exp2, tile inverses, state recurrence) against the
+    torch reference path on the same inputs: 3 heads, V != K, ragged packed lengths with an empty one,
+    per-sequence initial states, one or many blocks. Only summation order and the exp2 polynomial
+    (rel. error < 1e-7) differ: outputs and final states to rel-RMS < 1e-5; both equal naive (< 5e-3)."""
+    gen = torch.Generator().manual_seed(chunk_size)
+    lens, h, Vw = [70, 0, 16, 129], 3, 48
+    T = sum(lens)
+    q = F.normalize(torch.randn(1, T, h, K, generator=gen), dim=-1) * K**-0.5
+    k = F.normalize(torch.randn(1, T, h, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, h, Vw, generator=gen)
+    g = kda_gate(torch.randn(1, T, h, K, generator=gen) * 3.0, torch.zeros(h))
+    beta = torch.rand(1, T, h, generator=gen)
+    S0 = torch.randn(len(lens), h, K, Vw, generator=gen)
+    cu = cu_from(lens)
+    calls, fused_intra = [], kda_mod._wy_intra_chunk_fused
+    monkeypatch.setattr(kda_mod, "_wy_intra_chunk_fused", lambda *a: calls.append(1) or fused_intra(*a))
+    o_f, S_f = chunk_kda(q, k, v, g, beta, S0, chunk_size=chunk_size, cu_seqlens=cu)
+    assert calls, "the fused path was not taken"
+    monkeypatch.setenv("ODYSSEY_KDA_CPU_KERNEL", "0")
+    n_fused = len(calls)
+    o_t, S_t = chunk_kda(q, k, v, g, beta, S0, chunk_size=chunk_size, cu_seqlens=cu)
+    assert len(calls) == n_fused, "ODYSSEY_KDA_CPU_KERNEL=0 must take the torch path"
+    assert rel_rms(o_f, o_t) < 1e-5 and rel_rms(S_f, S_t) < 1e-5
+    c = cu.tolist()
+    for n in range(len(lens)):
+        a, b = c[n], c[n + 1]
+        ref = (x[:, a:b] for x in (q, k, v, g, beta))
+        o_ref, S_ref = naive_recurrent_kda(*ref, S0[n : n + 1])
+        if b > a:
+            assert rel_rms(o_f[:, a:b], o_ref) < FP32_TOL, n
+        assert rel_rms(S_f[n : n + 1], S_ref) < FP32_TOL, n
+
+
+def test_decay_bound_check_is_exact_on_tile_sums():
+    """The default bound check: g > 0 raises; a token below -5 is fine as long as every 16-token tile sums
+    to >= -80 (then chunk equals naive, rel-RMS < 5e-3); a tile summing below -80 raises, packed too."""
+    q, k, v, g, beta = make_inputs(1, 40, seed=9)
+    with pytest.raises(ValueError, match="max g"):
+        chunk_kda(q, k, v, g.clone().index_fill_(1, torch.tensor([7]), 0.01), beta)
+    g_deep = g.clone()
+    g_deep[:, 3] = -20.0  # one token far below -5; tile 0 still sums to >= -80
+    assert g_deep[:, :16].sum(1).min() >= -80
+    o, _ = chunk_kda(q, k, v, g_deep, beta)
+    assert rel_rms(o, naive_recurrent_kda(q, k, v, g_deep, beta)[0]) < FP32_TOL
+    g_deep[:, 4:8] = -20.0  # now tile 0 sums below -80
+    with pytest.raises(ValueError, match="min tile sum"):
+        chunk_kda(q, k, v, g_deep, beta)
+    with pytest.raises(ValueError, match="min tile sum"):  # packed: the second sequence's first tile
+        chunk_kda(q, k, v, g_deep.roll(10, 1), beta, cu_seqlens=cu_from([14, 26]))
 
 
 def test_chunk_kda_rejects_bad_input():
