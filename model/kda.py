@@ -27,17 +27,21 @@ state S_0, and let Gam_r = sum_{s<=r} g_s (cumulative log-decay inside the chunk
 u, w and A_qk depend only on the chunk, so they are computed for many chunks at once; only the
 state recurrence S_0 -> S_C loops over chunks. A_kk and A_qk are built from 16-token tiles as dense
 matmuls, with one anchor per tile and no pairwise [16, 16, K] decay tensor. With r_a = Gam just before
-tile a, row tile a of A (all column tiles b <= a at once) is
+tile a and r_{a+1} its end:
 
-    A[a, :a+1] = (k_a * e^{Gam_a - r_a}) (k_b * e^{r_b - Gam_b} * e^{r_a - r_b})_{b <= a}^T   (+ causal mask)
+    A[a, a]  = ([q_a; k_a] * e^{Gam - r_a}) (k_a * e^{r_a - Gam})^T                       (+ causal mask)
+    A[a, b]  = ([q_a; k_a] * e^{Gam - r_a}) (k_b * e^{r_{b+1} - Gam} * e^{r_a - r_{b+1}})^T     (b < a)
 
-The row factor e^{Gam_s - r_a} is in [e^-80, 1]; the column factor e^{r_b - Gam_j} is >= 1 and is
-brought to e^{r_a - Gam_j} <= 1 for b < a. Only the diagonal tile b = a keeps a factor above 1,
-e^{r_a - Gam_j} <= e^{-(sum of g over the tile)}. With g >= -5 that is <= e^{80} ~ 5.5e34, inside the
-fp32/bf16 exponent range (max ~3.4e38; e^{-80} ~ 1.8e-35 stays normal). T is applied by block forward
-substitution over the 16-tiles, with each diagonal 16-block inverted by doubling (a few small matmuls).
-With the unbounded gate a tile can sum to -300,
-e^{300} = inf and the dense tile overflows (tests/test_kda.py, the "control" test).
+The row factor is in [e^-80, 1], the off-diagonal column factors are <= 1. Only the diagonal block
+needs a factor above 1, e^{r_a - Gam_j} <= e^{-(sum of g over the tile)}. With g >= -5 that is
+<= e^{80} ~ 5.5e34, inside the fp32/bf16 exponent range (max ~3.4e38; e^{-80} ~ 1.8e-35 stays normal).
+T is applied by block forward substitution over the 16-tiles, with each diagonal 16-block inverted by
+doubling (a few small matmuls). With the unbounded gate a tile can sum to -300, e^{300} = inf and the
+dense tile overflows (tests/test_kda.py, the "control" test).
+
+Without autograd, fp32 on CPU, the elementwise work of a block and the chunk loop run in fused C++
+kernels (model/kda_cpu.cpp, `_wy_intra_chunk_fused`); the torch code here is their reference and the
+autograd path. docs/kda.md has the details and the measurements.
 """
 
 from __future__ import annotations

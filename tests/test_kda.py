@@ -260,6 +260,24 @@ def test_fused_cpu_kernels_build():
     assert kda_cpu.load() is not None, "kda_cpu.cpp did not build: run python -m model.kda_cpu --verbose"
 
 
+def test_failed_kernel_build_warns_once_and_falls_back_to_the_torch_path(monkeypatch):
+    """A machine without a compiler: the build error becomes one RuntimeWarning that names the fix, and
+    chunk_kda still runs (torch path) and equals naive. (The real build is test_fused_cpu_kernels_build.)"""
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("Error building extension 'odyssey_kda_cpu': g++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(kda_cpu, "_state", {})
+    q, k, v, g, beta = make_inputs(1, 40, seed=10)
+    with pytest.warns(RuntimeWarning, match=r"g\+\+: command not found") as record:
+        o, _ = chunk_kda(q, k, v, g, beta)
+        chunk_kda(q, k, v, g, beta)  # cached: no second build attempt, no second warning
+    assert len(record) == 1 and "python -m model.kda_cpu" in str(record[0].message)
+    assert rel_rms(o, naive_recurrent_kda(q, k, v, g, beta)[0]) < FP32_TOL
+
+
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
 def test_fused_cpu_path_equals_torch_path(chunk_size, cpu_blocks, monkeypatch):
     """The fused kernels (tile factors with their own exp2, tile inverses, state recurrence) against the
