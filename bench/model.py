@@ -12,7 +12,8 @@
    architecture. Also checks the analytic size against a real cache built by the tiny model.
 
 KDA times are the median process (CPU) time of several interleaved rounds (naive, chunk 64, chunk 64 on
-the torch path, chunk 32), each timed call right after an untimed call of the same function:
+the torch path, chunk 32), each timed call right after an untimed call of the same function; a speedup is
+the median over rounds of the ratio of two times taken in the same round (with its min and max):
 the dev machines are shared, CPU time is less sensitive to other processes than wall time, and
 interleaving gives all three the same load. The other sections report the best of `--repeats`.
 Usage: .venv/bin/python bench/model.py [--quick] [--out bench/results/model.json]
@@ -52,8 +53,8 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def median_cpu_times(fns: list, repeats: int) -> list[float]:
-    """Median process (CPU) time of each fn over `repeats` rounds. A round runs every fn in turn, so that all
+def interleaved_cpu_times(fns: list, repeats: int) -> list[list[float]]:
+    """Process (CPU) time of each fn in each of `repeats` rounds. A round runs every fn in turn, so that all
     see the same machine load; each fn is called once untimed right before its timed call, so that each is
     timed in its own steady state (the naive loop churns ~400 MB of heap per call and leaves the caches
     cold: whatever runs right after it is up to 1.5x slower)."""
@@ -64,7 +65,14 @@ def median_cpu_times(fns: list, repeats: int) -> list[float]:
             t0 = time.process_time()
             fn()
             ts.append(time.process_time() - t0)
-    return [statistics.median(ts) for ts in times]
+    return times
+
+
+def speedup(base: list[float], fast: list[float]) -> dict:
+    """Per-round ratios base/fast (both timed in the same round, so a load change between rounds cancels):
+    their median, min and max."""
+    ratios = [b / f for b, f in zip(base, fast)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def torch_path(fn, *args, **kwargs):
@@ -93,25 +101,27 @@ def bench_kda(lengths: list[int], repeats: int) -> list[dict]:
         q, k, v, g, beta = kda_inputs(T)
         args = (q, k, v, g, beta)
         # interleaved, so that all four see the same load on a shared machine
-        t_naive, t_chunk, t_torch, t_c32 = median_cpu_times(
+        rounds = interleaved_cpu_times(
             [lambda args=args: naive_recurrent_kda(*args),
              lambda args=args: chunk_kda(*args, chunk_size=64),
              lambda args=args: torch_path(chunk_kda, *args, chunk_size=64),
              lambda args=args: chunk_kda(*args, chunk_size=32)],
-            max(5, repeats),
+            max(11, repeats),
         )
+        t_naive, t_chunk, t_torch, t_c32 = (statistics.median(ts) for ts in rounds)
+        sp, sp_torch, sp_c32 = (speedup(rounds[0], ts) for ts in rounds[1:])
         o_n, s_n = naive_recurrent_kda(q, k, v, g, beta)
         o_c, s_c = chunk_kda(q, k, v, g, beta, chunk_size=64)
         rel = float((o_c - o_n).pow(2).mean().sqrt() / o_n.pow(2).mean().sqrt())
-        rows.append({"T": T, "H": 4, "K": 64, "V": 64, "chunk_size": 64, "timer": "median process time",
-                     "fused_cpu_kernels": kda_cpu.load() is not None,
-                     "naive_s": t_naive, "chunk_s": t_chunk, "speedup": t_naive / t_chunk,
-                     "chunk_torch_path_s": t_torch, "speedup_torch_path": t_naive / t_torch,
-                     "chunk32_s": t_c32, "speedup_chunk32": t_naive / t_c32, "rel_rms_error": rel})
+        rows.append({"T": T, "H": 4, "K": 64, "V": 64, "chunk_size": 64, "timer": "process time",
+                     "rounds": len(rounds[0]), "fused_cpu_kernels": kda_cpu.load() is not None,
+                     "naive_s": t_naive, "chunk_s": t_chunk, "speedup": sp["median"], "speedup_rounds": sp,
+                     "chunk_torch_path_s": t_torch, "speedup_torch_path": sp_torch["median"],
+                     "chunk32_s": t_c32, "speedup_chunk32": sp_c32["median"], "rel_rms_error": rel})
         print(f"KDA T={T:5d}: naive {t_naive * 1e3:8.1f} ms  chunk {t_chunk * 1e3:7.1f} ms  "
-              f"speedup {t_naive / t_chunk:6.1f}x  (torch path: {t_torch * 1e3:7.1f} ms, "
-              f"{t_naive / t_torch:5.1f}x; chunk 32: {t_c32 * 1e3:7.1f} ms, {t_naive / t_c32:5.1f}x)  "
-              f"(rel-RMS {rel:.1e})")
+              f"speedup {sp['median']:5.1f}x (rounds {sp['min']:.1f}-{sp['max']:.1f}x)  (torch path: "
+              f"{t_torch * 1e3:6.1f} ms, {sp_torch['median']:4.1f}x; chunk 32: {t_c32 * 1e3:6.1f} ms, "
+              f"{sp_c32['median']:4.1f}x)  (rel-RMS {rel:.1e})")
     return rows
 
 
