@@ -44,9 +44,12 @@ inline float exp2_approx(float x) {
 // of 2^128 are those of inf, so the unbounded-gate control case overflows like the torch path).
 inline float exp2_full(float x) { return exp2_approx(std::min(std::max(x, -127.0f), 128.0f)); }
 
-// 2^x where x is a log2 decay factor: exactly 0 below 2^-100 (model/kda.py `_decay`: no denormals).
+// model/kda.py `_LOG2_FLOOR` (exported below; tests/test_kda.py checks that the two agree).
+constexpr float kLog2Floor = -100.0f;
+
+// 2^x where x is a log2 decay factor: exactly 0 below 2^kLog2Floor (model/kda.py `_decay`: no denormals).
 // Branch-free (a 0/1 factor) so that the loops calling it vectorise.
-inline float decay2(float x) { return static_cast<float>(x > -100.0f) * exp2_full(x); }
+inline float decay2(float x) { return static_cast<float>(x > kLog2Floor) * exp2_full(x); }
 
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -228,6 +231,7 @@ std::vector<Tensor> state_recurrence(const Tensor& u, const Tensor& w, const Ten
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("LOG2_FLOOR") = kLog2Floor;
   m.def("tile_factors", &tile_factors, "fused per-token factor products of chunk_kda (CPU, fp32)");
   m.def("tile_inverse", &tile_inverse, "diagonal-block masks and WY inverses of chunk_kda (CPU, fp32)");
   m.def("state_recurrence", &state_recurrence, "chunk_kda's state recurrence over one block (CPU, fp32)");

@@ -257,7 +257,9 @@ def test_control_unbounded_gate_overflows_dense_tiles(dtype):
 def test_fused_cpu_kernels_build():
     """`make setup` compiles model/kda_cpu.cpp; if it cannot, chunk_kda would fall back to the slower torch
     path with a warning. Here that is a failure, so CI never passes on the fallback unnoticed."""
-    assert kda_cpu.load() is not None, "kda_cpu.cpp did not build: run python -m model.kda_cpu --verbose"
+    kernels = kda_cpu.load()
+    assert kernels is not None, "kda_cpu.cpp did not build: run python -m model.kda_cpu --verbose"
+    assert kernels.LOG2_FLOOR == kda_mod._LOG2_FLOOR  # the same decay floor on both paths
 
 
 def test_failed_kernel_build_warns_once_and_falls_back_to_the_torch_path(monkeypatch):
