@@ -164,12 +164,45 @@ class LearnerSection(_Section):
 
 
 class OrchestratorSection(_Section):
-    """The training loop: off-policy bound, checkpoints, resumption."""
+    """The training loop (rl/train/, docs/training.md): placement, sync/async, groups, buffer, weight sync,
+    checkpoints, evaluation."""
 
-    max_staleness: int = Field(1, ge=0)  # policy versions a trajectory may lag behind the learner
+    # placement: Ray resources of one actor each, e.g. {CPU: 1} or {CPU: 1, GPU: 1, rollout_node: 0.01}
+    rollout_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    learner_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    # sync / async
+    max_staleness: int = Field(
+        1, ge=0
+    )  # policy versions a trajectory may lag behind the learner; 0 = on-policy
+    # groups and failures
+    max_infra_retries: int = Field(1, ge=0)  # re-runs of an infra-failed episode before it is masked
+    max_worker_restarts: int = Field(4, ge=0)  # dead rollout workers replaced during a run, in all
+    dynamic_sampling: bool = False  # DAPO: draw more groups until the batch has only non-zero-variance ones
+    dynamic_sampling_cap: float = Field(3.0, ge=1.0)  # most groups drawn per step, x the batch's groups
+    # experience buffer
+    buffer_order: Literal["fifo", "length", "freshness", "priority"] = "fifo"
+    # weight sync
+    weight_sync_timeout_s: float = Field(300.0, gt=0.0)
+    # checkpoints
     checkpoint_every: int = Field(50, ge=0)  # learner steps; 0 = only at the end
     keep_checkpoints: int = Field(3, ge=1)
     resume: bool = True  # continue from the latest checkpoint in logging.run_dir
+    # evaluation on held-out tasks
+    eval_every: int = Field(0, ge=0)  # learner steps between evaluations; 0 = none during training
+    eval_episodes: int = Field(32, ge=1)  # sampled episodes per evaluation (+ one greedy per task)
+    eval_pass_k: int = Field(4, ge=1)  # samples per held-out task: pass@1 and pass@k
+    eval_difficulties: list[int] | None = None  # evaluate at each of these env difficulties; None = env's
+
+    @field_validator("rollout_resources", "learner_resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: x for k, x in v.items() if not x >= 0}
+        if bad:
+            raise ValueError(f"resource amounts must be >= 0, got {bad}")
+        low = {k for k in v if k.lower() in ("cpu", "gpu") and k not in ("CPU", "GPU")}
+        if low:
+            raise ValueError(f"Ray spells the built-in resources CPU and GPU; got {sorted(low)}")
+        return v
 
 
 class LoggingSection(_Section):
@@ -197,6 +230,7 @@ class RunConfig(_Section):
     def _meaning(self) -> RunConfig:
         problems = (
             _budget_problems(self)
+            + _orchestrator_problems(self.orchestrator)
             + _model_problems(self.model)
             + _reward_problems(self.rewards)
             + _env_problems(self.env)
@@ -239,6 +273,17 @@ def _budget_problems(c: RunConfig) -> list[str]:
                 f"rollout.episodes ({r.episodes}) must be a multiple of learner.group_size "
                 f"({lr.group_size}) for grpo; e.g. rollout.episodes={fit}"
             )
+    return out
+
+
+def _orchestrator_problems(o: OrchestratorSection) -> list[str]:
+    out = []
+    if o.eval_episodes % o.eval_pass_k:
+        fit = o.eval_pass_k * max(1, o.eval_episodes // o.eval_pass_k)
+        out.append(
+            f"orchestrator.eval_episodes ({o.eval_episodes}) must be a multiple of orchestrator.eval_pass_k "
+            f"({o.eval_pass_k}): each held-out task is sampled eval_pass_k times; e.g. eval_episodes={fit}"
+        )
     return out
 
 

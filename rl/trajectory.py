@@ -7,6 +7,8 @@ turns, tool observations, concatenated in order), with per-token training data:
     loss_mask         uint8   [T]                  1 on model-generated tokens, else 0
     rollout_logprobs  float32 [T]                  behaviour-policy log-prob, NaN where not generated
     routed_experts    uint16  [T, n_moe_layers, k] top-k expert ids per MoE layer (routing replay), optional
+    token_versions    int32   [T]                  policy version that sampled each generated token, -1 on
+                                                   other tokens; optional (None in stores before schema 3)
 
 plus turn spans, one env-info dict per env step, rewards and metadata. Assistant turn i is
 the i-th span with role "assistant"; `step_infos[i]` (when it exists) is the env step that
@@ -36,7 +38,9 @@ import numpy as np
 import pyarrow as pa
 
 ROLES = ("prompt", "assistant", "observation")
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "3"
+#: schema versions this code reads: "1" lacks the token_versions column (read as None)
+READABLE_SCHEMA_VERSIONS = ("1", "3")
 _VERSION_KEY = b"odyssey.trajectory.schema_version"
 
 
@@ -56,7 +60,8 @@ class TurnSpan:
 class Trajectory:
     """One episode. Arrays are validated and coerced to the documented dtypes on construction.
 
-    Shapes: tokens / loss_mask / rollout_logprobs [T]; routed_experts [T, n_moe_layers, k] or None.
+    Shapes: tokens / loss_mask / rollout_logprobs [T]; routed_experts [T, n_moe_layers, k] or None;
+    token_versions [T] or None (a partial rollout that spans weight updates has several versions).
     `turn_rewards` is empty until `rewards.compose` fills it (then len == number of assistant turns).
     """
 
@@ -74,6 +79,7 @@ class Trajectory:
     rewards: dict[str, float] = field(default_factory=dict)
     turn_rewards: list[float] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
+    token_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.tokens = _as_int_array("tokens", self.tokens, np.int32)
@@ -90,6 +96,11 @@ class Trajectory:
                     "pass None when the engine did not record routing"
                 )
             self.routed_experts = re
+        if self.token_versions is not None:
+            tv = _as_int_array("token_versions", self.token_versions, np.int32)
+            if tv.shape != (T,):
+                raise ValueError(f"Trajectory.token_versions must have shape [T={T}], got {tv.shape}")
+            self.token_versions = tv
         self.turns = [_as_span(i, s) for i, s in enumerate(self.turns)]
         _check_spans(self.turns, T)
         _check_mask_in_assistant_spans(self.loss_mask, self.turns)
@@ -132,6 +143,17 @@ class Trajectory:
     def policy_version(self) -> int | None:
         v = self.metadata.get("policy_version")
         return None if v is None else int(v)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the generated tokens (token_versions; else
+        metadata["policy_version"], the version at the episode's start); None when unknown."""
+        if self.token_versions is not None:
+            gen = self.token_versions[self.loss_mask.astype(bool)]
+            gen = gen[gen >= 0]
+            if gen.size:
+                return int(gen.min())
+        return self.policy_version
 
     def assistant_spans(self) -> list[TurnSpan]:
         """The assistant turns, in order; index i matches step_infos[i] and turn_rewards[i]."""
@@ -261,6 +283,7 @@ SCHEMA = pa.schema(
         ("turn_rewards", pa.list_(pa.float64())),
         ("policy_version", pa.int64()),  # copy of metadata["policy_version"] for cheap filtering
         ("metadata", pa.large_string()),  # JSON dict
+        ("token_versions", pa.large_list(pa.int32())),  # [T], null if absent (schema 3)
     ],
     metadata={_VERSION_KEY: SCHEMA_VERSION.encode()},
 )
@@ -339,6 +362,7 @@ def trajectories_to_batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
         pa.array([t.turn_rewards for t in trajs], type=pa.list_(pa.float64())),
         pa.array(pv, type=pa.int64()),
         pa.array([_dumps("metadata", t.metadata) for t in trajs], type=pa.large_string()),
+        _large_list([t.token_versions for t in trajs], pa.int32()),
     ]
     return pa.RecordBatch.from_arrays(cols, schema=SCHEMA)
 
@@ -353,7 +377,9 @@ def _decode_rows(batch: pa.RecordBatch, rows: Sequence[int]) -> Iterator[Traject
     if not rows:
         return
     c = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
-    flat = {k: _flat(c[k]) for k in ("tokens", "loss_mask", "rollout_logprobs", "routed_experts")}
+    arrays = ("tokens", "loss_mask", "rollout_logprobs", "routed_experts", "token_versions")
+    flat = {k: _flat(c[k]) for k in arrays if k in c}  # token_versions is absent before schema 3
+    versions_null = c["token_versions"].is_null().to_pylist() if "token_versions" in c else None
     py = {
         k: c[k].to_pylist()
         for k in c
@@ -381,6 +407,7 @@ def _decode_rows(batch: pa.RecordBatch, rows: Sequence[int]) -> Iterator[Traject
             rewards=dict(py["rewards"][r]),
             turn_rewards=py["turn_rewards"][r],
             metadata=json.loads(c["metadata"][r].as_py()),
+            token_versions=None if versions_null is None or versions_null[r] else arr("token_versions", r),
         )
 
 
@@ -484,10 +511,10 @@ class TrajectoryStore:
             )
             return None
         version = (reader.schema.metadata or {}).get(_VERSION_KEY)
-        if version != SCHEMA_VERSION.encode():
+        if version not in {v.encode() for v in READABLE_SCHEMA_VERSIONS}:
             raise ValueError(
-                f"{path}: trajectory schema version {version!r}, this code reads {SCHEMA_VERSION!r}; "
-                "read it with the Odyssey version that wrote it"
+                f"{path}: trajectory schema version {version!r}, this code reads "
+                f"{', '.join(READABLE_SCHEMA_VERSIONS)}; read it with the Odyssey version that wrote it"
             )
         return reader
 
