@@ -73,7 +73,7 @@ class StepStats:
     n_moe: int
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys((
         "loss", "policy_loss", "kl", "entropy", "clipped", "value_loss", "scored", "tokens", "is_tokens",
-        "ratio_sum", "kl_sum", "masked", "truncated"), 0.0))
+        "ratio_sum", "kl_sum", "masked", "truncated", "micro_batches"), 0.0))
     ratio_max: float = 0.0
     agree: torch.Tensor = None
     agree_tokens: float = 0.0
@@ -262,6 +262,7 @@ class Learner:
             "tokens": sums["tokens"],
             "learner/tokens_scored": sums["scored"],
             "learner/optimizer_steps": float(len(losses)),
+            "learner/micro_batches": sums["micro_batches"],
             "learner/lr": float(self.scheduler.get_last_lr()[0]),
             "learner/policy_loss": sums["policy_loss"] / n_opt,
             "learner/kl": sums["kl"] / scored,
@@ -426,6 +427,7 @@ class Learner:
         if vl is not None:
             sums["value_loss"] += float(vl.detach().sum() / n_tokens)
         if first_epoch:
+            sums["micro_batches"] += 1
             sums["scored"] += mb.n_scored
             sums["entropy"] += float(entropy.detach().sum())
             sums["clipped"] += float(clipped.sum())
