@@ -39,7 +39,7 @@ def test_first_samples_fill_whole_groups_in_order():
 
 def test_roundtrip_and_retry():
     task = TaskStream(1, "eval", {"difficulty": 2}).task(7)
-    assert task.reset_options() == {"difficulty": 2} and task.key == "eval/7"
+    assert task.reset_options() == {"difficulty": 2} and task.key == "eval/7@difficulty=2"
     s = Sample(task, 2, 99, greedy=False, attempt=0)
     assert Sample.from_dict(s.to_dict()) == s and Task.from_dict(task.to_dict()) == task
     r = s.retry()

@@ -74,6 +74,7 @@ class ChatCodec:
 
         self.tok = tokenizer
         self._tk = tk
+        self.fingerprint = tk.tokenizer_fingerprint(tokenizer)  # recorded in every trajectory's metadata
         self.eot_id = int(tk.end_of_turn_id(tokenizer))
         self.stop_ids = tuple(int(i) for i in tk.stop_token_ids(tokenizer) if i is not None)
         close = tokenizer.encode(tk.TOOL_CALL_END, add_special_tokens=False)
@@ -197,6 +198,7 @@ async def run_episode(
         "seed": int(seed),
         "policy_version": int(engine.weight_version),
         "env_id": getattr(env, "env_id", type(env).__name__),
+        "tokenizer": codec.fingerprint,
         **(metadata or {}),
     }
     step_infos: list[dict] = []

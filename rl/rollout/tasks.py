@@ -57,8 +57,9 @@ class Task:
 
     @property
     def key(self) -> str:
-        """The GRPO group id: "<split>/<index>"."""
-        return f"{self.split}/{self.index}"
+        """The GRPO group id: "<split>/<index>", plus "@name=value" per reset option (the same index at
+        two difficulties is two tasks)."""
+        return f"{self.split}/{self.index}" + "".join(f"@{k}={v}" for k, v in self.options)
 
     def reset_options(self) -> dict[str, Any]:
         return dict(self.options)

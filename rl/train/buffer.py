@@ -8,7 +8,8 @@ A `Group` is the `group_size` final trajectories of one task (`Sample.task.key`)
 Members whose episode failed on infrastructure are kept, marked: the learner masks them (never
 scored 0). Which complete groups form the next batch is `order` (orchestrator.buffer_order):
 
-- fifo: lowest task index first (the order tasks were drawn: deterministic whatever finishes first);
+- fifo: strictly in task order: the batch is the next n tasks drawn, and it is ready only when all n
+  are complete (so which samples form each batch never depends on timing, sync or async);
 - length: the n groups whose mean trajectory lengths are closest together (a length bucket: packed
   micro-batches of similar lengths waste less of their token budget);
 - freshness: least stale first (newest `oldest_version`), then task index;
@@ -131,6 +132,15 @@ class ExperienceBuffer:
     def discard(self, key: str) -> Group:
         """Remove a complete group (e.g. zero reward variance under dynamic sampling)."""
         return self.ready.pop(key)
+
+    def batch_ready(self, n: int, open_tasks: set[int]) -> bool:
+        """Whether `take(n)` can form a full batch now. open_tasks: indices of the tasks drawn whose group
+        is not complete yet (fifo waits for the lowest n indices of ready + open to be ready)."""
+        if self.order != "fifo":
+            return len(self.ready) >= n
+        ready = {g.task_index for g in self.ready.values()}
+        first = sorted(ready | set(open_tasks))[:n]
+        return len(first) == n and all(i in ready for i in first)
 
     def _chosen(self, n: int) -> list[Group]:
         groups = sorted(self.ready.values(), key=lambda g: g.task_index)

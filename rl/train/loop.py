@@ -53,7 +53,7 @@ from rl.rollout.tasks import Sample, TaskStream
 from rl.rollout.worker import RolloutWorker, WorkerSettings
 from rl.train.buffer import ExperienceBuffer
 from rl.train.checkpoint import latest_checkpoint, write_checkpoint
-from rl.train.learner_client import DEFAULT_LEARNER, LearnerClient, LearnerDied
+from rl.train.learner_client import LearnerClient, LearnerDied
 from rl.train.metrics import MetricsLog, ProgressLine, batch_stats, step_record
 from rl.train.placement import actor_options, check_fits, cluster_demand, torch_threads
 from rl.train.weight_sync import WeightSync
@@ -101,8 +101,8 @@ def resume_hint(cfg: Any, config_path: str | None = None) -> str:
 
 
 class Trainer:
-    """One training run. cfg: a RunConfig. config_path: named in resume hints. learner_cls / worker_cls:
-    what the actors run (tests inject a worker that dies); console: where the live line goes."""
+    """One training run. cfg: a RunConfig. config_path: named in resume hints. worker_cls: the rollout
+    worker actor class (tests inject one that fails); console: where the live line goes."""
 
     def __init__(
         self,
@@ -110,15 +110,14 @@ class Trainer:
         *,
         config_path: str | None = None,
         console: Console | None = None,
-        learner_cls: str = DEFAULT_LEARNER,
         worker_cls: type = RolloutWorker,
     ):
         self.cfg = cfg
         self.config_path = config_path
         self.console = console or Console()
-        self.learner_cls, self.worker_cls = learner_cls, worker_cls
+        self.worker_cls = worker_cls
         o, r = cfg.orchestrator, cfg.rollout
-        self.group_size = cfg.learner.group_size if cfg.learner.algorithm == "grpo" else 1
+        self.group_size = cfg.learner.group_size if cfg.learner.advantage in ("grpo", "rloo") else 1
         self.groups_per_step = max(1, r.episodes // self.group_size)
         self.k = o.max_staleness
         self.run_dir = Path(cfg.logging.run_dir).expanduser().resolve()
@@ -156,7 +155,9 @@ class Trainer:
 
         opts = {**actor_options(self.cfg.orchestrator.rollout_resources), "max_restarts": 0}
         actor = ray.remote(self.worker_cls).options(**opts).remote(self.settings, worker_id)
-        return actor, self.sync.ready_ref(actor)
+        if self.sync.ref is None:  # at start-up: the weights are pushed once the learner is up
+            return actor, actor.ping.remote()
+        return actor, self.sync.ready_ref(actor)  # a replacement: ready once it holds the current weights
 
     def _resume(self) -> Path | None:
         """Load the latest checkpoint when resuming (driver state + buffer; the learner loads in start)."""
@@ -206,12 +207,8 @@ class Trainer:
             self._log(f"starting a new run in {self.run_dir}")
         write_resolved(self.cfg, self.run_dir)
         self.settings = self._worker_settings()
-        self.learner = LearnerClient(self.cfg, self.learner_cls)
-        if ckpt is not None:
-            self.learner.load(ckpt / LEARNER_DIR, self.state.version)
-        self.sync.publish(self.learner.weights(), self.state.version)
         o, r = self.cfg.orchestrator, self.cfg.rollout
-        self.dispatcher = Dispatcher(
+        self.dispatcher = Dispatcher(  # worker actors start while the learner builds
             self._spawn,
             r.num_workers,
             r.concurrent_episodes,
@@ -220,13 +217,33 @@ class Trainer:
             env_id=self.cfg.env.id,
             log=self._log,
         )
+        self.learner = LearnerClient(self.cfg)
+        if ckpt is not None:
+            self.learner.load(ckpt / LEARNER_DIR)
+        self.sync.publish(self.learner.weights(), self.state.version)
         self.dispatcher.put([Sample.from_dict(d) for d in self.state.pending])
-        self.learner.ready()
+        learner_info = self.learner.ready()
         self.dispatcher.wait_ready(o.weight_sync_timeout_s)
+        self._push_weights(publish=False)  # version 0 (or the checkpoint's) to every worker
+        self._record_placement(learner_info)
         self._log(
             f"{r.num_workers} rollout workers and the learner ready in {time.perf_counter() - t0:.1f} s; "
             f"{self.groups_per_step} groups of {self.group_size} per step, max_staleness {self.k}"
         )
+
+    def _record_placement(self, learner_info: dict) -> None:
+        """<run_dir>/placement.json: the node (id, resources) of every learner rank and rollout worker."""
+        import ray
+
+        assert self.dispatcher is not None
+        actors = self.dispatcher.ready_actors()
+        infos = ray.get([a.info.remote() for a in actors.values()], timeout=120)
+        nodes = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
+        placement = {
+            "learner": [{**i, "node_resources": nodes.get(i["node_id"], {})} for i in learner_info["ranks"]],
+            "workers": [{**i, "node_resources": nodes.get(i["node_id"], {})} for i in infos],
+        }
+        (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
 
     # ------------------------------------------------------------------ rollouts
     def _limit(self, busy: bool) -> int:
@@ -259,6 +276,9 @@ class Trainer:
             self._count("discarded/zero_variance")
             self.ledger_discarded += [s.key for s, _ in group.members]
 
+    def _open_indices(self) -> set[int]:
+        return {int(k.split("/")[1].split("@")[0]) for k in self.open_groups}
+
     def _poll(self, timeout: float) -> None:
         assert self.dispatcher is not None
         before = self.dispatcher.restarts
@@ -268,9 +288,10 @@ class Trainer:
             self._count("worker_restarts", self.dispatcher.restarts - before)
 
     # ------------------------------------------------------------------ learner
-    def _push_weights(self) -> None:
+    def _push_weights(self, publish: bool = True) -> None:
         assert self.dispatcher is not None and self.learner is not None
-        self.sync.publish(self.learner.weights(), self.state.version)
+        if publish:
+            self.sync.publish(self.learner.weights(), self.state.version)
         failed = self.sync.push(self.dispatcher.ready_actors())
         if failed and len(failed) == len(self.dispatcher.ready_actors()):
             self.learner.ready(timeout=60)  # every worker failed: is the weights' source (the learner) gone?
@@ -372,7 +393,7 @@ class Trainer:
         with ProgressLine(total, self.console, self.cfg.logging.log_every) as progress:
             while self.state.step < total:
                 t0 = time.perf_counter()
-                while len(self.buffer) < self.groups_per_step:  # gather a batch
+                while not self.buffer.batch_ready(self.groups_per_step, self._open_indices()):
                     self._draw(busy=False)
                     self._poll(timeout=0.5)
                 rollout_s = time.perf_counter() - t0

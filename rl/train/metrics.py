@@ -9,8 +9,9 @@
     dropped/stale, discarded/zero_variance             stale members; DAPO groups drawn but not trained
     infra_retries, worker_restarts                     since the previous record
     staleness/mean, staleness/max                      learner version - oldest token version, over the batch
-    learner/<key>                                      everything Learner.step returned (loss, kl, entropy,
-                                                       grad_norm, tokens, ...)
+    learner/<key>, moe/<key>                           everything Learner.step returned, plain keys under
+                                                       learner/ (loss, grad_norm, tokens; learner/kl,
+                                                       learner/entropy, ... as the learner names them)
     time/<phase>_s                                     seconds: rollout (waiting for the batch), learner,
                                                        weight_sync, checkpoint, eval, step (all of it)
     eval/<...>                                         held-out evaluation on steps that ran one (eval.py)
@@ -95,7 +96,7 @@ def step_record(
     }
     rec.update({k: _num(v) for k, v in batch.items()})
     rec.update({k: _num(v) for k, v in counters.items()})
-    rec.update({f"learner/{k}": _num(v) for k, v in sorted(learner.items())})
+    rec.update({(k if "/" in k else f"learner/{k}"): _num(v) for k, v in sorted(learner.items())})
     rec.update({f"time/{k}_s": round(float(v), 4) for k, v in timings.items()})
     if evaluation:
         rec.update({f"eval/{k}": _num(v) for k, v in evaluation.items()})
