@@ -222,7 +222,9 @@ class RolloutWorker:
         tokenizer: Any = None,
     ):
         import torch
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # checkpoint loading bars would flood the driver's log
         self.settings = settings
         self.worker_id = worker_id
         if settings.torch_threads:

@@ -209,8 +209,7 @@ def cli_main(argv: list[str]) -> int:
     metrics["wall_s"] = round(time.perf_counter() - t0, 2)
     console.print(table(metrics, k, f"held-out evaluation (T={cfg.rollout.temperature:g} and greedy)"))
     out = Path(args.out) if args.out else Path(str(Path(args.checkpoint).resolve()) + "-eval.json")
-    out.write_text(
-        json.dumps({"checkpoint": str(args.checkpoint), "episodes": n, "pass_k": k, **metrics}, indent=1)
-    )
+    record = {"checkpoint": str(args.checkpoint), "sampled_episodes": n, "pass_k": k, **metrics}
+    out.write_text(json.dumps(record, indent=1))
     console.print(f"results: {out}", highlight=False)
     return 0
