@@ -34,7 +34,9 @@ class ExpertLoadTracker:
         if window < 1:
             raise ValueError(f"expert-load window must be >= 1 step, got {window}")
         self.n, self.k, self.window = n_experts, k, window
-        self._counts = torch.zeros(n_experts, dtype=torch.int64)
+        # explicit device: from_pretrained builds the model under a meta-device context, and this plain
+        # tensor (not a buffer) would otherwise stay on meta
+        self._counts = torch.zeros(n_experts, dtype=torch.int64, device="cpu")
         self._entropy_sum = 0.0
         self._tokens = 0
         self._last: tuple[torch.Tensor, float, int] | None = None
