@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
+from rich.table import Table
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,4 +64,33 @@ def cli_main(argv: list[str]) -> int:
         f"metrics: {summary['run_dir']}/metrics.jsonl",
         highlight=False,
     )
+    evals = summary.get("evals") or []
+    if len(evals) >= 2:
+        console.print(before_after_table(evals[0], evals[-1], cfg))
     return 0
+
+
+def before_after_table(first: dict, last: dict, cfg) -> Table:
+    """Held-out success of the first and the last evaluation of the run (eval.jsonl), side by side."""
+    k = cfg.orchestrator.eval_pass_k
+    t = Table(
+        title=f"held-out {cfg.env.id} tasks: step {first['step']} vs step {last['step']}", header_style="bold"
+    )
+    for col in ("metric", f"step {first['step']}", f"step {last['step']}"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+    rows = [
+        (f"success (T={cfg.rollout.temperature:g})", "success"),
+        (f"pass@{k}", f"pass@{k}"),
+        ("greedy success", "greedy"),
+        ("episodes (sampled + greedy)", "episodes"),
+        ("infra errors", "infra_errors"),
+    ]
+    for name, key in rows:
+        t.add_row(
+            name,
+            *(
+                f"{e.get(key):.3f}" if isinstance(e.get(key), float) else str(e.get(key))
+                for e in (first, last)
+            ),
+        )
+    return t

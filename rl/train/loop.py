@@ -63,6 +63,7 @@ DRIVER_STATE = "driver.json"
 BUFFER_FILE = "buffer.arrow"
 LEARNER_DIR = "learner"
 LEDGER_FILE = "samples.jsonl"
+EVAL_FILE = "eval.jsonl"
 STATE_VERSION = 1
 
 
@@ -81,6 +82,7 @@ class DriverState:
     counters: dict[str, int] = field(default_factory=dict)  # cumulative
     metrics_lines: int = 0
     ledger_lines: int = 0
+    eval_lines: int = 0
     store_files: list[str] = field(default_factory=list)
     resumes: list[dict] = field(default_factory=list)
 
@@ -177,6 +179,7 @@ class Trainer:
         }
         moved = self.metrics.keep_first(self.state.metrics_lines)
         _keep_first_lines(self.run_dir / LEDGER_FILE, self.state.ledger_lines)
+        _keep_first_lines(self.run_dir / EVAL_FILE, self.state.eval_lines)
         kept = set(self.state.store_files)
         aside = self.store.root / "superseded"
         later = [p for p in self.store.files() if p.name not in kept]
@@ -363,13 +366,27 @@ class Trainer:
         return time.perf_counter() - t0
 
     def _evaluate(self) -> dict[str, Any]:
+        """Held-out evaluation at the current weights; appended to eval.jsonl with the step."""
         from rl.train.eval import eval_samples, summarize
 
         assert self.dispatcher is not None
         o = self.cfg.orchestrator
+        t0 = time.perf_counter()
         samples = eval_samples(self.cfg, o.eval_episodes, o.eval_pass_k, o.eval_difficulties)
         results = run_samples(self.dispatcher, samples, on_other=self._on_finished)
-        return summarize(samples, results, o.eval_pass_k, self.cfg.env.id)
+        out = summarize(
+            samples, results, o.eval_pass_k, self.cfg.env.id, self.cfg.env.kwargs.get("difficulty")
+        )
+        with open(self.run_dir / EVAL_FILE, "a") as f:
+            f.write(json.dumps({"step": self.state.step, **out, "wall_s": time.perf_counter() - t0}) + "\n")
+        self.state.eval_lines += 1
+        k = o.eval_pass_k
+        self._log(
+            f"held-out eval at step {self.state.step}: success {_fmt(out.get('success'))} "
+            f"(T={self.cfg.rollout.temperature:g}), pass@{k} {_fmt(out.get(f'pass@{k}'))}, "
+            f"greedy {_fmt(out.get('greedy'))}"
+        )
+        return out
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
@@ -390,6 +407,8 @@ class Trainer:
         o, total = self.cfg.orchestrator, self.cfg.learner.steps
         t_start = time.perf_counter() - sum(r.get("wall_s", 0.0) for r in self.metrics.read()[-1:])
         last_ckpt = self.state.step
+        if o.eval_every and self.state.step == 0 and self.state.eval_lines == 0:
+            self._evaluate()  # the policy before any RL step, on the same held-out tasks
         with ProgressLine(total, self.console, self.cfg.logging.log_every) as progress:
             while self.state.step < total:
                 t0 = time.perf_counter()
@@ -401,7 +420,7 @@ class Trainer:
                 if out is None:
                     continue
                 evaluation, eval_s = None, 0.0
-                if o.eval_every and self.state.step % o.eval_every == 0:
+                if o.eval_every and (self.state.step % o.eval_every == 0 or self.state.step == total):
                     t1 = time.perf_counter()
                     evaluation = self._evaluate()
                     eval_s = time.perf_counter() - t1
@@ -430,12 +449,14 @@ class Trainer:
                 else:
                     self.metrics.append(rec)
                 progress.update(rec)
+        evals = _read_jsonl(self.run_dir / EVAL_FILE)
         return {
             "run_dir": str(self.run_dir),
             "steps": self.state.step,
             "last_checkpoint": last_ckpt,
             "counters": dict(self.state.counters),
             "final": self.metrics.read()[-1] if self.metrics.path.exists() else {},
+            "evals": evals,
         }
 
     def close(self) -> None:
@@ -472,6 +493,14 @@ def run_samples(
             elif on_other is not None:
                 on_other(f)
     return got
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else "-"
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
 def _keep_first_lines(path: Path, n: int) -> None:
