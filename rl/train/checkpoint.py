@@ -27,6 +27,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from rl.trajectory import _fsync_dir
+
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{6,})$")
 
@@ -37,14 +39,6 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 def step_name(step: int) -> str:
     return f"step-{int(step):06d}"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_complete(path: Path) -> bool:
@@ -95,7 +89,7 @@ def write_checkpoint(run_dir: str | Path, step: int, fill: Callable[[Path], None
             json.dump({"step": int(step)}, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync(tmp)
+        _fsync_dir(tmp)
         if final.exists():  # the same step written again (a resumed run): replace it whole
             old = root / f".{final.name}.old-{os.getpid()}"
             os.replace(final, old)
@@ -103,7 +97,7 @@ def write_checkpoint(run_dir: str | Path, step: int, fill: Callable[[Path], None
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync(root)
+        _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
