@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -251,7 +252,8 @@ def test_kill9_async_resume_trains_every_sample_exactly_once(cluster, tmp_path):
     _finish(_train(cluster, ref, *args), ref)
     _kill9_after_checkpoint(_train(cluster, cut, *args), cut, step=1)
     out = _finish(_train(cluster, cut, *args), cut)
-    assert "resuming from checkpoint" in out
+    requeued = re.search(r"resuming from checkpoint \S+ \(step 1, (\d+) episodes re-queued", out)
+    assert requeued and int(requeued.group(1)) > 0, out[-3000:]  # episodes were in flight at the kill
     trained = [e["trained"] for e in _ledger(cut)]
     assert trained == [e["trained"] for e in _ledger(ref)] == _expected_keys(3)
     from rl.trajectory import TrajectoryStore
@@ -260,6 +262,7 @@ def test_kill9_async_resume_trains_every_sample_exactly_once(cluster, tmp_path):
     assert len(stored) == len(set(stored)) and set(sum(trained, [])) <= set(stored)
     for r, c in zip(_metrics(ref), _metrics(cut)):
         assert r["episodes"] == c["episodes"] == 4 and c["staleness/max"] <= 1
+        assert r["learner/optimizer_steps"] == c["learner/optimizer_steps"]  # optimizer state continued
     w_ref, w_cut, w1 = _weights(ref, 3), _weights(cut, 3), _weights(ref, 1)
     moved = sum(float((w_ref[k] - w1[k]).float().norm() ** 2) for k in w1) ** 0.5
     apart = sum(float((w_ref[k] - w_cut[k]).float().norm() ** 2) for k in w1) ** 0.5

@@ -445,14 +445,15 @@ class Trainer:
                     counters=counts,
                     evaluation=evaluation,
                 )
+                self.metrics.append(rec)
+                if self.state.step < total:  # the next rollouts start before the checkpoint is written
+                    self._draw(busy=False)
+                    self._poll(timeout=0)
                 due = o.checkpoint_every and self.state.step % o.checkpoint_every == 0
                 if due or self.state.step == total:
-                    self.metrics.append(rec)
-                    rec_ckpt_s = self._checkpoint()
+                    ckpt_s = self._checkpoint()
                     last_ckpt = self.state.step
-                    progress.note(f"checkpoint at step {self.state.step} ({rec_ckpt_s:.1f} s)")
-                else:
-                    self.metrics.append(rec)
+                    progress.note(f"checkpoint at step {self.state.step} ({ckpt_s:.1f} s)")
                 progress.update(rec)
         evals = _read_jsonl(self.run_dir / EVAL_FILE)
         return {
