@@ -376,3 +376,42 @@ def test_odyssey_eval_on_a_training_checkpoint(ray_session, tmp_path):
         assert 0.0 <= res[f"arith/d{d}/success"] <= res[f"arith/d{d}/pass@2"] <= 1.0
         assert res[f"arith/d{d}/greedy"] is not None
     assert cli_main(["configs/tiny.yaml", "--checkpoint", str(tmp_path), "--episodes", "4"]) == 2
+
+
+class _SyncProbe:
+    """A worker stand-in for the weight-sync health check: answers right, with another version, or late."""
+
+    def __init__(self, mode: str):
+        self.mode, self.total = mode, None
+
+    async def update_weights(self, weights, version):
+        import asyncio
+
+        (ref,) = weights  # handed over unresolved: this actor fetches the one stored object itself
+        sd = await ref
+        self.total = float(sum(float(v.sum()) for v in sd.values()))
+        if self.mode == "slow":
+            await asyncio.sleep(60)
+        return version - 1 if self.mode == "wrong" else version
+
+    async def received(self):
+        return self.total
+
+
+@pytest.mark.timeout(300)
+def test_weight_sync_broadcasts_one_object_and_health_checks_workers(ray_session):
+    import ray
+
+    from rl.train.weight_sync import WeightSync
+
+    cls = ray.remote(num_cpus=0)(_SyncProbe)
+    probes = {0: cls.remote("ok"), 1: cls.remote("wrong"), 2: cls.remote("slow"), 3: cls.remote("ok")}
+    ray.get([p.received.remote() for p in probes.values()], timeout=120)  # started (as workers are by then)
+    sync = WeightSync(timeout_s=5)
+    sync.publish(ray.put({"w": torch.ones(3), "b": torch.full((2,), 2.0)}), version=7)
+    failed = sync.push(probes)
+    assert set(failed) == {1, 2}, failed
+    assert "reports version 6, expected 7" in failed[1] and "no answer" in failed[2]
+    assert ray.get([probes[0].received.remote(), probes[3].received.remote()]) == [7.0, 7.0]
+    for p in probes.values():
+        ray.kill(p)
