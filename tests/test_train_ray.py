@@ -86,8 +86,8 @@ def cluster():
         f"--ray-client-server-port={_free_port()}", "--num-cpus=3", '--resources={"rollout_node": 8}',
         f"--temp-dir={tmp}", "--disable-usage-stats",
     ]  # fmt: skip
-    node_cmd = [
-        ray, "start", "--block", f"--address=127.0.0.1:{port}", "--num-cpus=2",
+    node_cmd = [  # its own temp dir: two nodes on one machine must not share runtime-env package dirs
+        ray, "start", "--block", f"--address=127.0.0.1:{port}", "--num-cpus=2", f"--temp-dir={tmp}/n2",
         '--resources={"learner_node": 4}', "--disable-usage-stats",
     ]  # fmt: skip
     logs = [open(tmp / "head.log", "w"), open(tmp / "node.log", "w")]
