@@ -269,13 +269,13 @@ def test_kill9_async_resume_trains_every_sample_exactly_once(cluster, tmp_path):
     assert moved > 0 and apart <= ASYNC_WEIGHT_TOL * moved, (apart, moved)
 
 
-# Async resume tolerance. Both runs hold identical weights at the checkpoint (step 1); afterwards they differ only
-# in when weight updates reach episodes in flight (the resumed run replays those from their start), which can
-# change sampled tokens and so the updates. By the triangle inequality the two final policies are at most the
-# sum of the two runs' movements since the checkpoint apart, i.e. about 2x the uninterrupted run's movement when
-# both move alike: that is the bound asserted. Measured on 2 cores: 3.6e-5 x (no sampled token changed). The
-# exact guarantees of the async resume are the ledger (same samples per step, each once) and the optimizer
-# step counts.
+# Async resume tolerance. Both runs hold identical weights at the checkpoint (step 1); afterwards they differ
+# only in when weight updates reach episodes in flight (the resumed run replays those from their start), which
+# can change sampled tokens and so the updates. By the triangle inequality the two final policies are at most
+# the sum of the two runs' movements since the checkpoint apart, i.e. about 2x the uninterrupted run's
+# movement when both move alike: that is the bound asserted. Measured on 2 cores: 3.6e-5 x (no sampled
+# token changed). The exact guarantees of the async resume are the ledger (same samples per step, each once)
+# and the optimizer step counts.
 ASYNC_WEIGHT_TOL = 2.0
 
 
