@@ -44,6 +44,7 @@ TINY = [
     "rewards=[{name: 'tests.custom_rewards:even_tokens'}]",
     "learner.lr=1e-3",
     "orchestrator.checkpoint_every=1",
+    "orchestrator.eval_every=0",
 ]
 # sync, one episode at a time per worker, fifo batches in sample order, 1 thread per actor: bit for bit
 DETERMINISTIC = ["orchestrator.max_staleness=0", "rollout.concurrent_episodes=1"]
