@@ -60,6 +60,12 @@ def test_bad_input_gets_an_error_naming_the_trajectory(batch):
     assert learner.optimizer_steps == 0
 
 
+def test_num_ranks_above_one_needs_a_learner_group():
+    with pytest.raises(ValueError, match=r"learner.num_ranks is 2 but this process runs 1 rank\(s\): use "
+                                         r"rl.learner.group.LearnerGroup"):
+        Learner(small_config(num_ranks=2))
+
+
 def test_rollout_records_the_tokenizer_fingerprint():
     """The agent loop writes metadata['tokenizer'] (what the check above compares)."""
     import asyncio

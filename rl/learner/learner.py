@@ -73,7 +73,7 @@ class StepStats:
     n_moe: int
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys((
         "loss", "policy_loss", "kl", "entropy", "clipped", "value_loss", "scored", "tokens", "is_tokens",
-        "ratio_sum", "kl_sum", "masked", "truncated", "micro_batches"), 0.0))
+        "ratio_sum", "kl_sum", "masked", "truncated", "micro_batches", "advantage_sum"), 0.0))
     ratio_max: float = 0.0
     agree: torch.Tensor = None
     agree_tokens: float = 0.0
@@ -117,6 +117,12 @@ class Learner:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+        if self.world_size != lc.num_ranks:
+            raise ValueError(
+                f"learner.num_ranks is {lc.num_ranks} but this process runs {self.world_size} rank(s): use "
+                "rl.learner.group.LearnerGroup(cfg) for data parallelism (it starts num_ranks actors), or "
+                f"set learner.num_ranks={self.world_size}"
+            )
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         torch.manual_seed(lc.seed)
@@ -149,6 +155,7 @@ class Learner:
             tokenizer=tokenizer_fingerprint(tok),
         )
         self.autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
+        self.replay = lc.routing_replay and self.facts.n_moe_layers > 0  # R3 (a dense model has no routing)
         self.policy_steps = 0  # completed step() / update() calls
         self.optimizer_steps = 0
 
@@ -230,7 +237,7 @@ class Learner:
         n_moe = len(self.policy.moe_layer_indices)
         stats = self._stats = StepStats(n_moe)
         fused_old = lc.ppo_epochs * lc.num_minibatches == 1 and lc.advantage != "gae"
-        measure_routing = not lc.routing_replay and n_moe > 0
+        measure_routing = not self.replay and n_moe > 0
         if not fused_old or lc.kl_coef > 0:
             self._first_pass(samples, old=not fused_old, ref=lc.kl_coef > 0, values=lc.advantage == "gae",
                              routing=measure_routing and not fused_old)
@@ -239,6 +246,7 @@ class Learner:
                 adv, ret = gae(torch.from_numpy(s.rewards), torch.from_numpy(s.old_values), lc.gamma,
                                lc.gae_lambda)
                 s.advantages, s.returns = adv.numpy(), ret.numpy()
+                stats.sums["advantage_sum"] += float(adv.sum())
         losses, norms = [], []
         for epoch in range(lc.ppo_epochs):
             for m, ids in enumerate(plan.minibatches):
@@ -277,6 +285,7 @@ class Learner:
         })
         if lc.advantage == "gae":
             out["learner/value_loss"] = sums["value_loss"] / n_opt
+            out["learner/advantage_mean"] = sums["advantage_sum"] / scored
         if measure_routing and stats.agree_tokens > 0:
             frac = (stats.agree / stats.agree_tokens).tolist()
             for l, f in zip(self.policy.moe_layer_indices, frac):
@@ -294,7 +303,7 @@ class Learner:
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def _collate(self, samples: Sequence[Sample], fields: Sequence[str], routing: bool) -> MicroBatch:
-        with_replay = (self.lc.routing_replay or routing) and all(s.replay is not None for s in samples)
+        with_replay = (self.replay or routing) and all(s.replay is not None for s in samples)
         return collate(samples, fields, with_replay=with_replay)
 
     @torch.no_grad()
@@ -313,7 +322,7 @@ class Learner:
                 sizes = mb.seq_tokens.tolist()
                 if old or values or routing:
                     with self._autocast():
-                        out = self.module(mb, replay=self.lc.routing_replay, values=values,
+                        out = self.module(mb, replay=self.replay, values=values,
                                           return_routed=routing and mb.replay is not None)
                     for s, lp in zip(group, out.logp.double().split(sizes)):
                         s.old_logp = lp.cpu().numpy()
@@ -324,7 +333,7 @@ class Learner:
                         self._count_agreement(out.routed, mb.replay)
                 if ref:
                     with self._autocast():
-                        rout = self.reference(mb, replay=self.lc.routing_replay)
+                        rout = self.reference(mb, replay=self.replay)
                     for s, lp in zip(group, rout.logp.double().split(sizes)):
                         s.ref_logp = lp.cpu().numpy()
 
@@ -400,7 +409,7 @@ class Learner:
         data = {k: v.to(self.device) for k, v in mb.data.items()}
         seq, seq_tokens = mb.seq.to(self.device), mb.seq_tokens.to(self.device)
         with self._autocast():
-            out = self.ddp(mb, replay=lc.routing_replay, values=lc.advantage == "gae",
+            out = self.ddp(mb, replay=self.replay, values=lc.advantage == "gae",
                            return_routed=routing and mb.replay is not None)
         if out.routed is not None:
             self._count_agreement(out.routed, mb.replay)
