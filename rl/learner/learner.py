@@ -363,22 +363,39 @@ class Learner:
         """Forward and backward every packed micro-batch of `samples` (gradients add up in .grad; under DDP
         they are averaged over ranks at the last micro-batch). n_tokens / n_episodes: the minibatch's, over
         all ranks. Returns this rank's part of the minibatch loss."""
-        if not hasattr(self, "_stats"):
-            self._stats = StepStats(len(self.policy.moe_layer_indices))
         bins = pack([s.n_tokens for s in samples], self.lc.micro_batch_tokens)
-        total = 0.0
         if not bins and self.distributed:
             self._idle_backward()
+        total = 0.0
         for j, b in enumerate(bins):
-            last = j == len(bins) - 1
-            sync = contextlib.nullcontext() if (last or not self.distributed) else self.ddp.no_sync()
-            with sync:
-                loss = self._micro_batch_loss([samples[i] for i in b], n_tokens, n_episodes, fused_old,
-                                              first_epoch, routing)
-                with statistics_recording(self.module, False):  # checkpoint recomputation must not record
-                    (loss * self.world_size).backward()
-            total += float(loss.detach())
+            mb = self._collate([samples[i] for i in b], self.token_fields(fused_old), routing)
+            total += self.backward_micro_batch(mb, n_tokens, n_episodes, sync=j == len(bins) - 1,
+                                              fused_old=fused_old, first_epoch=first_epoch, routing=routing)
         return total
+
+    def token_fields(self, fused_old: bool = True) -> list[str]:
+        """The per-scored-token sample fields the loss reads (MicroBatch.data)."""
+        fields = ["rollout_logp", "advantages"]
+        fields += [] if fused_old else ["old_logp"]
+        fields += ["ref_logp"] if self.reference is not None else []
+        fields += ["old_values", "returns"] if self.lc.advantage == "gae" else []
+        return fields
+
+    def backward_micro_batch(self, mb: MicroBatch, n_tokens: int, n_episodes: int, *, sync: bool = True,
+                             fused_old: bool = True, first_epoch: bool = True, routing: bool = False
+                             ) -> float:
+        """Forward, loss and backward of one micro-batch (with `token_fields` in mb.data): the unit every
+        update is made of, and the seam where a trajectory split into sequence chunks will be processed.
+        sync: under DDP, whether this backward averages the gradients over ranks (the last micro-batch
+        of a minibatch). Returns this micro-batch's part of the minibatch loss."""
+        if not hasattr(self, "_stats"):
+            self._stats = StepStats(len(self.policy.moe_layer_indices))
+        no_sync = self.distributed and not sync
+        with self.ddp.no_sync() if no_sync else contextlib.nullcontext():
+            loss = self._micro_batch_loss(mb, n_tokens, n_episodes, fused_old, first_epoch, routing)
+            with statistics_recording(self.module, False):  # checkpoint recomputation must not record
+                (loss * self.world_size).backward()
+        return float(loss.detach())
 
     def _idle_backward(self) -> None:
         """A rank without samples in a minibatch still joins the gradient all-reduce: a one-token forward
@@ -394,18 +411,13 @@ class Learner:
                 loss = loss + out.values.sum() * 0.0
             loss.backward()
 
-    def _micro_batch_loss(self, samples: list[Sample], n_tokens: int, n_episodes: int, fused_old: bool,
+    def _micro_batch_loss(self, mb: MicroBatch, n_tokens: int, n_episodes: int, fused_old: bool,
                           first_epoch: bool, routing: bool) -> torch.Tensor:
         """The loss of one packed micro-batch (rl/learner/losses.py), scaled so that the sum over the
         minibatch's micro-batches and ranks is the minibatch loss. Accumulates metric sums."""
         lc = self.lc
         stats = self._stats
         sums = stats.sums
-        fields = ["rollout_logp", "advantages"]
-        fields += [] if fused_old else ["old_logp"]
-        fields += ["ref_logp"] if self.reference is not None else []
-        fields += ["old_values", "returns"] if lc.advantage == "gae" else []
-        mb = self._collate(samples, fields, routing)
         data = {k: v.to(self.device) for k, v in mb.data.items()}
         seq, seq_tokens = mb.seq.to(self.device), mb.seq_tokens.to(self.device)
         with self._autocast():
@@ -415,8 +427,8 @@ class Learner:
             self._count_agreement(out.routed, mb.replay)
         logp = out.logp.double()
         old = logp.detach() if fused_old else data["old_logp"]
-        is_w, off = correction_weights(old, data["rollout_logp"], seq, len(samples), lc.tis_cap, lc.mis_band,
-                                       lc.mis_level)
+        is_w, off = correction_weights(old, data["rollout_logp"], seq, seq_tokens.numel(), lc.tis_cap,
+                                       lc.mis_band, lc.mis_level)
         c = aggregation_weights(lc.loss_agg, seq, seq_tokens, n_episodes, n_tokens,
                                 self.cfg.rollout.max_tokens).to(self.device)
         entropy = out.entropy.double()
