@@ -182,6 +182,22 @@ def test_save_and_load_resume_exactly(batch, tmp_path):
         b.load(tmp_path)
 
 
+def test_off_policy_correction_is_applied_and_reported(batch):
+    """Rollout log-probs 0.3 nats (std) away from the learner's: TIS truncates, MIS masks, and both change
+    the update; with matching rollout log-probs neither does anything."""
+    plain = Learner(small_config(tis_cap=None)).step(batch)
+    assert plain["learner/offpolicy_truncated_frac"] == 0 and plain["learner/offpolicy_masked_frac"] == 0
+    assert plain["learner/offpolicy_kl"] > 0.01  # the fixture's rollout log-probs are noisy
+    tis = Learner(small_config(tis_cap=1.1)).step(batch)
+    mis = Learner(small_config(tis_cap=None, mis_band=[0.9, 1.1])).step(batch)
+    seq = Learner(small_config(tis_cap=None, mis_band=[0.5, 2.0], mis_level="sequence")).step(batch)
+    assert 0 < tis["learner/offpolicy_truncated_frac"] < 1 and tis["learner/offpolicy_masked_frac"] == 0
+    assert 0 < mis["learner/offpolicy_masked_frac"] < 1
+    assert 0 < seq["learner/offpolicy_masked_frac"] < 1  # whole episodes are masked together
+    assert len({plain["loss"], tis["loss"], mis["loss"], seq["loss"]}) == 4
+    assert plain["learner/offpolicy_ratio_max"] == tis["learner/offpolicy_ratio_max"] > 1.1
+
+
 def test_kl_to_reference_starts_at_zero_and_grows(batch):
     learner = Learner(small_config(lr=3e-3, kl_coef=0.1, ppo_epochs=2))
     first = learner.step(batch)

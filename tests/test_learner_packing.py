@@ -64,7 +64,8 @@ def _grads(module):
 
 
 @pytest.mark.parametrize("routing_replay", [True, False], ids=["r3", "free-routing"])
-@pytest.mark.parametrize("loss_agg,policy", [("token_mean", "ppo_clip"), ("seq_mean_token_mean", "gspo")])
+@pytest.mark.parametrize("loss_agg,policy", [("token_mean", "ppo_clip"), ("seq_mean_token_mean", "gspo"),
+                                             ("seq_mean_token_sum", "cispo")])
 def test_packed_loss_and_gradients_equal_per_sequence(routing_replay, loss_agg, policy):
     cfg = small_config(routing_replay=routing_replay, micro_batch_tokens=96, loss_agg=loss_agg,
                        policy_loss=policy, tis_cap=None)

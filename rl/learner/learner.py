@@ -125,7 +125,6 @@ class Learner:
             )
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        torch.manual_seed(lc.seed)
         self.policy = build_policy(cfg).to(self.device)
         if lc.activation_checkpointing:
             self.policy.gradient_checkpointing_enable()
