@@ -107,7 +107,8 @@ def build_policy(cfg) -> torch.nn.Module:
 
 
 class Learner:
-    """Policy optimisation for one rank (module docstring). cfg: rl.config.RunConfig."""
+    """Policy optimisation for one rank (module docstring). cfg: rl.config.RunConfig; tokenizer: the one
+    whose fingerprint the trajectories must carry (default: the shipped tokenizer, model/assets/tokenizer)."""
 
     def __init__(self, cfg, tokenizer: Any = None) -> None:
         from model.tokenizer import load_tokenizer, tokenizer_fingerprint
