@@ -32,10 +32,14 @@ def test_pack_first_fit_decreasing_hand_example():
 def test_pack_properties(lengths, budget):
     bins = pack(lengths, budget)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # every item exactly once
-    for b in bins:
-        total = sum(lengths[i] for i in b)
+    sums = [sum(lengths[i] for i in b) for b in bins]
+    for b, total in zip(bins, sums):
         assert total <= budget or len(b) == 1  # within budget, or a lone over-long item
-    # first fit: no later bin's first item would have fitted in an earlier bin when it was placed
+    # first fit: a bin was opened only when its first item fitted in no earlier bin, so no two bins could
+    # have been one (their sizes add up to more than the budget)
+    assert all(sums[i] + sums[j] > budget for i in range(len(bins)) for j in range(i + 1, len(bins)))
+    # decreasing: within a bin, items arrive longest first
+    assert all([lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True) for b in bins)
     assert pack(lengths, budget) == bins  # deterministic
 
 
