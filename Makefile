@@ -18,7 +18,7 @@ setup:
 demo: setup
 	$(VENV)/bin/odyssey warmup configs/tiny.yaml --out $(CURDIR)/runs/tiny/warmup
 	$(VENV)/bin/odyssey train configs/tiny.yaml model.init_from=$(CURDIR)/runs/tiny/warmup \
-		logging.run_dir=$(CURDIR)/runs/tiny/rl
+		learner.steps=40 learner.lr=5e-5 learner.warmup_steps=3 logging.run_dir=$(CURDIR)/runs/tiny/rl
 
 ## The whole suite, heavy tests (docker, ray, vllm, slow) included.
 test: setup
