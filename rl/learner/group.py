@@ -58,8 +58,9 @@ class LearnerRank:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.world_size)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size
+        )
         self.learner = Learner(self.cfg)
         return self.learner.facts
 
@@ -89,8 +90,9 @@ class LearnerGroup:
     """`cfg.learner.num_ranks` LearnerRank actors. num_cpus / num_gpus: Ray resources per rank;
     torch_threads: intra-op threads per rank (None: torch's default)."""
 
-    def __init__(self, cfg, *, num_cpus: float = 1, num_gpus: float = 0, torch_threads: int | None = None
-                 ) -> None:
+    def __init__(
+        self, cfg, *, num_cpus: float = 1, num_gpus: float = 0, torch_threads: int | None = None
+    ) -> None:
         import ray
 
         self.cfg = cfg
@@ -110,8 +112,10 @@ class LearnerGroup:
         batch = prepare_batch(trajectories, self.facts, lc)
         plans = plan_step(batch.samples, lc.num_minibatches, self.world_size, lc.seed + self.policy_steps)
         by_index = {s.index: s for s in batch.samples}
-        refs = [rank.update.remote([by_index[i] for i in plan.sample_indices()], plan, batch.metrics)
-                for rank, plan in zip(self.ranks, plans)]
+        refs = [
+            rank.update.remote([by_index[i] for i in plan.sample_indices()], plan, batch.metrics)
+            for rank, plan in zip(self.ranks, plans)
+        ]
         metrics = ray.get(refs)[0]
         self.policy_steps += 1
         return metrics

@@ -62,7 +62,6 @@ STATE_FILE = "learner_state.pt"
 POLICY_DIR = "policy"
 
 
-
 @dataclass
 class StepStats:
     """Metric sums of one policy step on one rank, summed over ranks at the end (`all_reduce`).
@@ -71,9 +70,28 @@ class StepStats:
     tokens whose learner top-k set equals the rollout's, per MoE layer, out of agree_tokens."""
 
     n_moe: int
-    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys((
-        "loss", "policy_loss", "kl", "entropy", "clipped", "value_loss", "scored", "tokens", "is_tokens",
-        "ratio_sum", "kl_sum", "masked", "truncated", "micro_batches", "advantage_sum"), 0.0))
+    sums: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(
+            (
+                "loss",
+                "policy_loss",
+                "kl",
+                "entropy",
+                "clipped",
+                "value_loss",
+                "scored",
+                "tokens",
+                "is_tokens",
+                "ratio_sum",
+                "kl_sum",
+                "masked",
+                "truncated",
+                "micro_batches",
+                "advantage_sum",
+            ),
+            0.0,
+        )
+    )
     ratio_max: float = 0.0
     agree: torch.Tensor = None
     agree_tokens: float = 0.0
@@ -84,12 +102,15 @@ class StepStats:
     def all_reduce(self, device: torch.device) -> None:
         """Sum (ratio_max: max) over the ranks of the default process group, in place."""
         keys = sorted(self.sums)
-        t = torch.tensor([self.sums[k] for k in keys] + self.agree.tolist() + [self.agree_tokens],
-                         dtype=torch.float64, device=device)
+        t = torch.tensor(
+            [self.sums[k] for k in keys] + self.agree.tolist() + [self.agree_tokens],
+            dtype=torch.float64,
+            device=device,
+        )
         dist.all_reduce(t)
         vals = t.cpu().tolist()
-        self.sums = dict(zip(keys, vals[:len(keys)]))
-        self.agree = torch.tensor(vals[len(keys):len(keys) + self.n_moe], dtype=torch.float64)
+        self.sums = dict(zip(keys, vals[: len(keys)]))
+        self.agree = torch.tensor(vals[len(keys) : len(keys) + self.n_moe], dtype=torch.float64)
         self.agree_tokens = vals[-1]
         mx = torch.tensor([self.ratio_max], dtype=torch.float64, device=device)
         dist.all_reduce(mx, op=dist.ReduceOp.MAX)
@@ -124,8 +145,11 @@ class Learner:
                 "rl.learner.group.LearnerGroup(cfg) for data parallelism (it starts num_ranks actors), or "
                 f"set learner.num_ranks={self.world_size}"
             )
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
             else torch.device("cpu")
+        )
         self.policy = build_policy(cfg).to(self.device)
         if lc.activation_checkpointing:
             self.policy.gradient_checkpointing_enable()
@@ -140,8 +164,9 @@ class Learner:
             ref = build_policy(cfg).to(self.device).eval()
             ref.requires_grad_(False)
             self.reference = TrainModule(ref)
-        self.ddp = DistributedDataParallel(self.module, broadcast_buffers=False) if self.distributed \
-            else self.module
+        self.ddp = (
+            DistributedDataParallel(self.module, broadcast_buffers=False) if self.distributed else self.module
+        )
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, lc)
         self.scheduler = build_scheduler(self.optimizer, lc)
@@ -209,8 +234,9 @@ class Learner:
         """Restore everything `save` wrote (the learner must be built from the same config)."""
         path = Path(path)
         if not (path / STATE_FILE).is_file():
-            raise FileNotFoundError(f"{path} holds no learner checkpoint ({STATE_FILE}); was it written by "
-                                    "Learner.save?")
+            raise FileNotFoundError(
+                f"{path} holds no learner checkpoint ({STATE_FILE}); was it written by Learner.save?"
+            )
         saved = type(self.policy).from_pretrained(str(path / POLICY_DIR), dtype=torch.float32)
         self.policy.load_state_dict(saved.state_dict())  # in place: the optimizer keeps its parameters
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
@@ -227,8 +253,9 @@ class Learner:
         random.setstate(rng["python"])
 
     # ------------------------------------------------------------------------------------------ the update
-    def update(self, samples: Sequence[Sample], plan: RankPlan, metrics: dict[str, float] | None = None
-               ) -> dict[str, float]:
+    def update(
+        self, samples: Sequence[Sample], plan: RankPlan, metrics: dict[str, float] | None = None
+    ) -> dict[str, float]:
         """Run this rank's share of a policy step: `samples` (its own), `plan` (its RankPlan). Collective
         under torch.distributed: every rank calls it once per step. Returns global metrics."""
         t0 = time.perf_counter()
@@ -239,20 +266,31 @@ class Learner:
         fused_old = lc.ppo_epochs * lc.num_minibatches == 1 and lc.advantage != "gae"
         measure_routing = not self.replay and n_moe > 0
         if not fused_old or lc.kl_coef > 0:
-            self._first_pass(samples, old=not fused_old, ref=lc.kl_coef > 0, values=lc.advantage == "gae",
-                             routing=measure_routing and not fused_old)
+            self._first_pass(
+                samples,
+                old=not fused_old,
+                ref=lc.kl_coef > 0,
+                values=lc.advantage == "gae",
+                routing=measure_routing and not fused_old,
+            )
         if lc.advantage == "gae":
             for s in samples:
-                adv, ret = gae(torch.from_numpy(s.rewards), torch.from_numpy(s.old_values), lc.gamma,
-                               lc.gae_lambda)
+                adv, ret = gae(
+                    torch.from_numpy(s.rewards), torch.from_numpy(s.old_values), lc.gamma, lc.gae_lambda
+                )
                 s.advantages, s.returns = adv.numpy(), ret.numpy()
                 stats.sums["advantage_sum"] += float(adv.sum())
         losses, norms = [], []
         for epoch in range(lc.ppo_epochs):
             for m, ids in enumerate(plan.minibatches):
                 loss, norm = self._optimizer_step(
-                    [by_index[i] for i in ids], plan.n_tokens[m], plan.n_episodes[m], fused_old,
-                    first_epoch=epoch == 0, routing=measure_routing and fused_old)
+                    [by_index[i] for i in ids],
+                    plan.n_tokens[m],
+                    plan.n_episodes[m],
+                    fused_old,
+                    first_epoch=epoch == 0,
+                    routing=measure_routing and fused_old,
+                )
                 losses.append(loss)
                 norms.append(norm)
         self.policy_steps += 1
@@ -264,25 +302,27 @@ class Learner:
         n_opt = max(1, len(losses))
         scored = max(sums["scored"], 1.0)
         is_tokens = max(sums["is_tokens"], 1.0)
-        out.update({
-            "loss": sums["loss"] / n_opt,
-            "grad_norm": float(np.mean(norms)) if norms else 0.0,
-            "tokens": sums["tokens"],
-            "learner/tokens_scored": sums["scored"],
-            "learner/optimizer_steps": float(len(losses)),
-            "learner/micro_batches": sums["micro_batches"],
-            "learner/lr": float(self.scheduler.get_last_lr()[0]),
-            "learner/policy_loss": sums["policy_loss"] / n_opt,
-            "learner/kl": sums["kl"] / scored,
-            "learner/entropy": sums["entropy"] / scored,
-            "learner/clip_frac": sums["clipped"] / scored,
-            "learner/offpolicy_kl": sums["kl_sum"] / is_tokens,
-            "learner/offpolicy_ratio_mean": sums["ratio_sum"] / is_tokens,
-            "learner/offpolicy_ratio_max": stats.ratio_max,
-            "learner/offpolicy_masked_frac": sums["masked"] / is_tokens,
-            "learner/offpolicy_truncated_frac": sums["truncated"] / is_tokens,
-            "learner/step_s": time.perf_counter() - t0,
-        })
+        out.update(
+            {
+                "loss": sums["loss"] / n_opt,
+                "grad_norm": float(np.mean(norms)) if norms else 0.0,
+                "tokens": sums["tokens"],
+                "learner/tokens_scored": sums["scored"],
+                "learner/optimizer_steps": float(len(losses)),
+                "learner/micro_batches": sums["micro_batches"],
+                "learner/lr": float(self.scheduler.get_last_lr()[0]),
+                "learner/policy_loss": sums["policy_loss"] / n_opt,
+                "learner/kl": sums["kl"] / scored,
+                "learner/entropy": sums["entropy"] / scored,
+                "learner/clip_frac": sums["clipped"] / scored,
+                "learner/offpolicy_kl": sums["kl_sum"] / is_tokens,
+                "learner/offpolicy_ratio_mean": sums["ratio_sum"] / is_tokens,
+                "learner/offpolicy_ratio_max": stats.ratio_max,
+                "learner/offpolicy_masked_frac": sums["masked"] / is_tokens,
+                "learner/offpolicy_truncated_frac": sums["truncated"] / is_tokens,
+                "learner/step_s": time.perf_counter() - t0,
+            }
+        )
         if lc.advantage == "gae":
             out["learner/value_loss"] = sums["value_loss"] / n_opt
             out["learner/advantage_mean"] = sums["advantage_sum"] / scored
@@ -292,8 +332,9 @@ class Learner:
                 out[f"learner/routing_agreement/layer{l}"] = f
             out["learner/routing_agreement"] = float(np.mean(frac))
         out["learner/tokens_per_s"] = out["tokens"] * lc.ppo_epochs / max(out["learner/step_s"], 1e-9)
-        out.update({k: float(v) for k, v in self.policy.expert_load_metrics().items()
-                    if isinstance(v, (int, float))})
+        out.update(
+            {k: float(v) for k, v in self.policy.expert_load_metrics().items() if isinstance(v, (int, float))}
+        )
         return out
 
     # ------------------------------------------------------------------------------------------ internals
@@ -307,8 +348,9 @@ class Learner:
         return collate(samples, fields, with_replay=with_replay)
 
     @torch.no_grad()
-    def _first_pass(self, samples: Sequence[Sample], old: bool, ref: bool, values: bool, routing: bool
-                    ) -> None:
+    def _first_pass(
+        self, samples: Sequence[Sample], old: bool, ref: bool, values: bool, routing: bool
+    ) -> None:
         """Fill old_logp / ref_logp / old_values of `samples` and count routing agreement (no gradients,
         no MoE statistics)."""
         bins = pack([s.n_tokens for s in samples], self.lc.micro_batch_tokens)
@@ -322,8 +364,12 @@ class Learner:
                 sizes = mb.seq_tokens.tolist()
                 if old or values or routing:
                     with self._autocast():
-                        out = self.module(mb, replay=self.replay, values=values,
-                                          return_routed=routing and mb.replay is not None)
+                        out = self.module(
+                            mb,
+                            replay=self.replay,
+                            values=values,
+                            return_routed=routing and mb.replay is not None,
+                        )
                     for s, lp in zip(group, out.logp.double().split(sizes)):
                         s.old_logp = lp.cpu().numpy()
                     if values:
@@ -341,8 +387,15 @@ class Learner:
         self._stats.agree += routing_agreement(routed, recorded).double().cpu()
         self._stats.agree_tokens += float(routed.shape[0])
 
-    def _optimizer_step(self, samples: list[Sample], n_tokens: int, n_episodes: int, fused_old: bool,
-                        first_epoch: bool, routing: bool) -> tuple[float, float]:
+    def _optimizer_step(
+        self,
+        samples: list[Sample],
+        n_tokens: int,
+        n_episodes: int,
+        fused_old: bool,
+        first_epoch: bool,
+        routing: bool,
+    ) -> tuple[float, float]:
         """One optimizer step on this rank's share of a minibatch: accumulate, clip, AdamW, schedule, MoE
         bias update. Returns (this rank's part of the minibatch loss, grad norm before clipping)."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -358,8 +411,15 @@ class Learner:
         self._stats.sums["loss"] += loss
         return loss, norm
 
-    def accumulate(self, samples: Sequence[Sample], n_tokens: int, n_episodes: int, fused_old: bool = True,
-                   first_epoch: bool = True, routing: bool = False) -> float:
+    def accumulate(
+        self,
+        samples: Sequence[Sample],
+        n_tokens: int,
+        n_episodes: int,
+        fused_old: bool = True,
+        first_epoch: bool = True,
+        routing: bool = False,
+    ) -> float:
         """Forward and backward every packed micro-batch of `samples` (gradients add up in .grad; under DDP
         they are averaged over ranks at the last micro-batch). n_tokens / n_episodes: the minibatch's, over
         all ranks. Returns this rank's part of the minibatch loss."""
@@ -369,8 +429,15 @@ class Learner:
         total = 0.0
         for j, b in enumerate(bins):
             mb = self._collate([samples[i] for i in b], self.token_fields(fused_old), routing)
-            total += self.backward_micro_batch(mb, n_tokens, n_episodes, sync=j == len(bins) - 1,
-                                              fused_old=fused_old, first_epoch=first_epoch, routing=routing)
+            total += self.backward_micro_batch(
+                mb,
+                n_tokens,
+                n_episodes,
+                sync=j == len(bins) - 1,
+                fused_old=fused_old,
+                first_epoch=first_epoch,
+                routing=routing,
+            )
         return total
 
     def token_fields(self, fused_old: bool = True) -> list[str]:
@@ -381,9 +448,17 @@ class Learner:
         fields += ["old_values", "returns"] if self.lc.advantage == "gae" else []
         return fields
 
-    def backward_micro_batch(self, mb: MicroBatch, n_tokens: int, n_episodes: int, *, sync: bool = True,
-                             fused_old: bool = True, first_epoch: bool = True, routing: bool = False
-                             ) -> float:
+    def backward_micro_batch(
+        self,
+        mb: MicroBatch,
+        n_tokens: int,
+        n_episodes: int,
+        *,
+        sync: bool = True,
+        fused_old: bool = True,
+        first_epoch: bool = True,
+        routing: bool = False,
+    ) -> float:
         """Forward, loss and backward of one micro-batch (with `token_fields` in mb.data): the unit every
         update is made of, and the seam where a trajectory split into sequence chunks will be processed.
         sync: under DDP, whether this backward averages the gradients over ranks (the last micro-batch
@@ -401,8 +476,16 @@ class Learner:
         """A rank without samples in a minibatch still joins the gradient all-reduce: a one-token forward
         whose loss is multiplied by 0 (no MoE statistics), so its contribution is exactly zero."""
         z = torch.zeros(1, dtype=torch.int64)
-        mb = MicroBatch(input_ids=z, cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), replay=None,
-                        scored_pos=z, targets=z, seq=z, seq_tokens=torch.ones(1, dtype=torch.int64), data={})
+        mb = MicroBatch(
+            input_ids=z,
+            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+            replay=None,
+            scored_pos=z,
+            targets=z,
+            seq=z,
+            seq_tokens=torch.ones(1, dtype=torch.int64),
+            data={},
+        )
         with statistics_recording(self.module, False):
             with self._autocast():
                 out = self.ddp(mb, values=self.module.value is not None)
@@ -411,8 +494,15 @@ class Learner:
                 loss = loss + out.values.sum() * 0.0
             loss.backward()
 
-    def _micro_batch_loss(self, mb: MicroBatch, n_tokens: int, n_episodes: int, fused_old: bool,
-                          first_epoch: bool, routing: bool) -> torch.Tensor:
+    def _micro_batch_loss(
+        self,
+        mb: MicroBatch,
+        n_tokens: int,
+        n_episodes: int,
+        fused_old: bool,
+        first_epoch: bool,
+        routing: bool,
+    ) -> torch.Tensor:
         """The loss of one packed micro-batch (rl/learner/losses.py), scaled so that the sum over the
         minibatch's micro-batches and ranks is the minibatch loss. Accumulates metric sums."""
         lc = self.lc
@@ -421,22 +511,41 @@ class Learner:
         data = {k: v.to(self.device) for k, v in mb.data.items()}
         seq, seq_tokens = mb.seq.to(self.device), mb.seq_tokens.to(self.device)
         with self._autocast():
-            out = self.ddp(mb, replay=self.replay, values=lc.advantage == "gae",
-                           return_routed=routing and mb.replay is not None)
+            out = self.ddp(
+                mb,
+                replay=self.replay,
+                values=lc.advantage == "gae",
+                return_routed=routing and mb.replay is not None,
+            )
         if out.routed is not None:
             self._count_agreement(out.routed, mb.replay)
         logp = out.logp.double()
         old = logp.detach() if fused_old else data["old_logp"]
-        is_w, off = correction_weights(old, data["rollout_logp"], seq, seq_tokens.numel(), lc.tis_cap,
-                                       lc.mis_band, lc.mis_level)
-        c = aggregation_weights(lc.loss_agg, seq, seq_tokens, n_episodes, n_tokens,
-                                self.cfg.rollout.max_tokens).to(self.device)
+        is_w, off = correction_weights(
+            old, data["rollout_logp"], seq, seq_tokens.numel(), lc.tis_cap, lc.mis_band, lc.mis_level
+        )
+        c = aggregation_weights(
+            lc.loss_agg, seq, seq_tokens, n_episodes, n_tokens, self.cfg.rollout.max_tokens
+        ).to(self.device)
         entropy = out.entropy.double()
         loss, parts = objective(
-            logp, old, data["advantages"], seq, seq_tokens, c, n_tokens,
-            policy=lc.policy_loss, clip_eps_low=lc.clip_eps_low, clip_eps_high=lc.clip_eps_high,
-            is_weights=is_w, ref_logp=data.get("ref_logp"), kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
-            entropy=entropy, entropy_coef=lc.entropy_coef)
+            logp,
+            old,
+            data["advantages"],
+            seq,
+            seq_tokens,
+            c,
+            n_tokens,
+            policy=lc.policy_loss,
+            clip_eps_low=lc.clip_eps_low,
+            clip_eps_high=lc.clip_eps_high,
+            is_weights=is_w,
+            ref_logp=data.get("ref_logp"),
+            kl_coef=lc.kl_coef,
+            kl_estimator=lc.kl_estimator,
+            entropy=entropy,
+            entropy_coef=lc.entropy_coef,
+        )
         vl = None
         if lc.advantage == "gae":
             vl = value_loss(out.values.double(), data["old_values"], data["returns"], lc.value_clip)

@@ -48,7 +48,7 @@ from typing import Any
 
 from rich.console import Console
 
-from rl.rollout.dispatch import Dispatcher, Finished
+from rl.rollout.dispatch import Dispatcher, Finished, NoWorkersLeft
 from rl.rollout.tasks import Sample, TaskStream
 from rl.rollout.worker import RolloutWorker, WorkerSettings
 from rl.train.buffer import ExperienceBuffer
@@ -406,6 +406,11 @@ class Trainer:
             raise TrainingStopped(
                 f"the learner actor died ({e}); the run stopped at step {self.state.step}. "
                 + resume_hint(self.cfg, self.config_path)
+            ) from e
+        except NoWorkersLeft as e:
+            raise TrainingStopped(
+                f"{e}; the run stopped at step {self.state.step} (orchestrator.max_worker_restarts="
+                f"{self.cfg.orchestrator.max_worker_restarts}). " + resume_hint(self.cfg, self.config_path)
             ) from e
         finally:
             self.close()
