@@ -10,9 +10,11 @@ Plugins: any installed distribution declaring
     [project.entry-points."odyssey.envs"]
     word-count = "odyssey_example_env.env:WordCountEnv"
 
-is found through `importlib.metadata` when `envs` is imported (or on `discover()`). Every env is also
-registered with gymnasium as `odyssey/<CamelName>-v0` (id "word-count" -> "odyssey/WordCount-v0"), so
-`gymnasium.make("odyssey/WordCount-v0")` works once `envs` is imported.
+is found through `importlib.metadata` when this module is imported (on first use of `envs.make`,
+`envs.list_envs`, ...; or on `discover()`). Every env is also registered with gymnasium as
+`odyssey/<CamelName>-v0` (id "word-count" -> "odyssey/WordCount-v0"), so
+`gymnasium.make("odyssey/WordCount-v0")` works once `envs.registry` is imported (`import envs` alone is
+lazy and imports nothing); `gymnasium.make("envs.registry:odyssey/WordCount-v0")` imports it itself.
 
 Failures never hide other envs: a plugin whose import fails is warned about by name, listed as
 "broken" (with the error) by `list_envs()` / `odyssey envs list`, and `make()` of it raises an error

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import inspect
 
+from envs.trajectory import Trajectory
 from rewards.base import RewardResult, param_check
 from rewards.dotted import import_callable
-from rl.trajectory import Trajectory
 
 
 def _check(
@@ -49,13 +49,13 @@ def turn_validity(traj: Trajectory, require_call: bool = True) -> list[bool | No
     out: list[bool | None] = []
     n_steps = len(traj.step_infos)
     for i in range(traj.n_assistant_turns):
-        if i >= n_steps or traj.step_infos[i].get("infra_error"):
+        if i >= n_steps or traj.step_infos[i].infra_error:
             out.append(None)
             continue
         info = traj.step_infos[i]
-        if info.get("tool_errors"):
+        if info.tool_errors:
             out.append(False)
-        elif info.get("tool_calls"):
+        elif info.tool_calls:
             out.append(True)
         else:
             final_answer = traj.terminated and i == n_steps - 1
