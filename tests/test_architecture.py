@@ -21,10 +21,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "model": (),
     "sandbox": (),
     "envs": ("sandbox",),
-    "rewards": ("envs.trajectory",),  # the episode record: a leaf
+    "rewards": ("envs.trajectory", "envs.dotted"),  # the episode record and the name resolver: leaves
     "rl": ("envs", "rewards", "sandbox", "model"),
 }
-LEAVES = ("envs.trajectory",)  # what rewards/ may import: imports nothing in the repo
+LEAVES = ("envs.trajectory", "envs.dotted")  # what rewards/ may import: they import nothing in the repo
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
