@@ -115,6 +115,8 @@ class ToolEnv(gymnasium.Env):
         self.max_turns = int(max_turns if max_turns is not None else self.default_max_turns)
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        for spec in self._tool_specs.values():
+            spec.params  # noqa: B018  builds each tool's JSON schema now: a docstring problem fails here
         self.observation_space = ChatMessages()
         self.action_space = ChatText()
         self.tools_in_prompt = tools_in_prompt

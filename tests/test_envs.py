@@ -31,7 +31,11 @@ class GuessEnv(ToolEnv):
 
     @tool
     def check(self, n: int) -> str:
-        """Compare a guess with the number."""
+        """Compare a guess with the number.
+
+        Args:
+            n: the guess.
+        """
         if n == self.task.target:
             self.achieve("found")
             return "equal"
@@ -39,7 +43,11 @@ class GuessEnv(ToolEnv):
 
     @tool
     def answer(self, n: int) -> str:
-        """Final answer."""
+        """Final answer.
+
+        Args:
+            n: the number.
+        """
         self.finish(float(n == self.task.target))
         return "ok"
 
