@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Odyssey setup: idempotent, works from nothing on a fresh machine as root.
-#   1. .venv with the package (+ cpu or gpu extra, + dev tools)
+#   1. .venv with the package (+ cpu or gpu extra, + dev: test tools, TRL, the env adapters, fla-core)
 #   2. a Docker daemon that answers (installs Debian's docker.io when missing)
 #   3. the sandbox image (debootstrap rootfs -> docker import) when absent
 #   4. the fused CPU kernels of chunk_kda (model/kda_cpu.cpp), compiled once into torch's extension cache
