@@ -3,7 +3,8 @@
 #   1. .venv with the package (+ cpu or gpu extra, + dev: test tools, TRL, the env adapters, fla-core)
 #   2. a Docker daemon that answers (installs Debian's docker.io when missing)
 #   3. the sandbox image (debootstrap rootfs -> docker import) when absent
-#   4. the fused CPU kernels of chunk_kda (model/kda_cpu.cpp), compiled once into torch's extension cache
+#   4. the fused CPU kernels of chunk_kda (model/kda_cpu.cpp), compiled once into ~/.cache/odyssey, keyed
+#      by their content (model/artifact_cache.py): any checkout or Ray job on this machine reuses them
 # Re-running is cheap: each step checks before it acts.
 set -euo pipefail
 cd "$(dirname "$0")/.."

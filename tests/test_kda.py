@@ -285,7 +285,7 @@ def test_fused_cpu_kernels_build():
     assert kernels.LOG2_FLOOR == kda_chunk._LOG2_FLOOR  # the same decay floor on both paths
 
 
-def test_failed_kernel_build_warns_once_and_falls_back_to_the_torch_path(monkeypatch):
+def test_failed_kernel_build_warns_once_and_falls_back_to_the_torch_path(monkeypatch, tmp_path):
     """A machine without a compiler: the build error becomes one RuntimeWarning that names the fix, and
     chunk_kda still runs (torch path) and equals naive. (The real build is test_fused_cpu_kernels_build.)"""
     import torch.utils.cpp_extension as cpp_extension
@@ -295,12 +295,15 @@ def test_failed_kernel_build_warns_once_and_falls_back_to_the_torch_path(monkeyp
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     monkeypatch.setattr(kda_cpu, "_state", {})
+    monkeypatch.setenv("ODYSSEY_CACHE_DIR", str(tmp_path))  # an empty cache: the build must run (and fail)
     q, k, v, g, beta = make_inputs(1, 40, seed=10)
     with pytest.warns(RuntimeWarning, match=r"g\+\+: command not found") as record:
         o, _ = chunk_kda(q, k, v, g, beta)
         chunk_kda(q, k, v, g, beta)  # cached: no second build attempt, no second warning
     assert len(record) == 1 and "python -m model.kda_cpu" in str(record[0].message)
     assert rel_rms(o, naive_recurrent_kda(q, k, v, g, beta)[0]) < FP32_TOL
+    # the failed build left nothing in the cache but its (flock) lock file: no binary, no temp dir
+    assert [p.name for p in (tmp_path / kda_cpu.CACHE_NAME).iterdir()] == [f"{kda_cpu.build_key()}.lock"]
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
