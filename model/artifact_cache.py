@@ -51,7 +51,8 @@ def content_key(*parts: bytes | str) -> str:
     return h.hexdigest()[:20]
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
+    """One progress line on stderr (Ray forwards an actor's stderr to the driver and the job log)."""
     print(f"[odyssey] {msg}", file=sys.stderr, flush=True)
 
 
@@ -75,7 +76,7 @@ def cached_build(
     key: str,
     build: Callable[[Path], Any],
     what: str = "",
-    say: Callable[[str], None] = _say,
+    say: Callable[[str], None] = say,
 ) -> tuple[Path, Any]:
     """The directory `<root>/<name>/<key>`, built by `build(tmp_dir)` if it does not exist yet.
 

@@ -113,7 +113,9 @@ def _build(verbose: bool) -> ModuleType | None:
         where, built = artifact_cache.cached_build(
             CACHE_NAME, build_key(), compile_into, what="the fused CPU kernels of model/kda_cpu.cpp"
         )
-        return built if built is not None else _import(name, where / f"{name}.so")
+        module = built if built is not None else _import(name, where / f"{name}.so")
+        artifact_cache.say(f"kda_cpu: fused CPU kernels from {where}")  # once per process
+        return module
     except Exception as exc:  # a missing compiler or headers: fall back, loudly
         tail = str(exc).strip().splitlines()[-15:]
         warnings.warn(
