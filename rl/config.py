@@ -3,7 +3,8 @@
     cfg = load_config("configs/tiny.yaml", ["learner.lr=1e-5", "rollout.num_workers=4"])
     write_resolved(cfg, cfg.logging.run_dir)          # -> <run_dir>/config.yaml, reloadable as is
 
-Sections (docs/config.md lists every key): model, env, rewards, rollout, learner, orchestrator, logging, warmup.
+Sections (docs/config.md lists every key): model, env, rewards, rollout, learner, orchestrator, logging,
+warmup.
 
 Overrides are `dotted.key=value`; the value is parsed as a YAML scalar or flow collection (`1e-5`, `true`,
 `null`, `[1, 2]`, `{difficulty: 2}`), list items are addressed by index (`rewards.0.weight=0.5`).
