@@ -63,20 +63,24 @@ class StepInfo(MutableMapping):
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # the common case (plain lists of str / dicts, a float) is only checked, not copied: records are
+        # built for every stored step when a store is read
         for name in ("tool_results", "tool_errors", "subgoals"):
-            setattr(self, name, _str_list(name, getattr(self, name)))
-        if not isinstance(self.tool_calls, (list, tuple)) or not all(
-            isinstance(c, Mapping) for c in self.tool_calls
-        ):
-            raise TypeError(
-                f"StepInfo.tool_calls must be a list of {{name, arguments}} dicts, got {self.tool_calls!r}"
-            )
-        self.tool_calls = [dict(c) for c in self.tool_calls]
+            v = getattr(self, name)
+            if type(v) is not list or not all(type(x) is str for x in v):
+                setattr(self, name, _str_list(name, v))
+        if type(self.tool_calls) is not list or not all(type(c) is dict for c in self.tool_calls):
+            if not isinstance(self.tool_calls, (list, tuple)) or not all(
+                isinstance(c, Mapping) for c in self.tool_calls
+            ):
+                got = repr(self.tool_calls)
+                raise TypeError(f"StepInfo.tool_calls must be a list of {{name, arguments}} dicts, got {got}")
+            self.tool_calls = [dict(c) for c in self.tool_calls]
         self.env_reward = _finite("env_reward", self.env_reward)
-        if self.infra_error is not None:
+        if self.infra_error is not None and type(self.infra_error) is not str:
             self.infra_error = str(self.infra_error)
-        if self.turn is not None:
-            if isinstance(self.turn, bool) or not isinstance(self.turn, (int, np.integer)):
+        if self.turn is not None and type(self.turn) is not int:
+            if isinstance(self.turn, bool) or not isinstance(self.turn, np.integer):
                 raise TypeError(
                     f"StepInfo.turn must be an int (1-based step index) or None, got {self.turn!r}"
                 )
@@ -84,10 +88,10 @@ class StepInfo(MutableMapping):
         self.no_tool_call = bool(self.no_tool_call)
         if self.success is not None:
             self.success = _finite("success", self.success)
-        if not isinstance(self.extra, dict):
+        if type(self.extra) is not dict:
             raise TypeError(f"StepInfo.extra must be a dict, got {type(self.extra).__name__}")
-        clash = sorted(set(self.extra) & set(_FIELDS))
-        if clash:
+        if self.extra and not _FIELD_SET.isdisjoint(self.extra):
+            clash = sorted(_FIELD_SET.intersection(self.extra))
             raise ValueError(f"StepInfo.extra must not hold the record's own fields {clash}; set the fields")
 
     @classmethod
@@ -99,8 +103,9 @@ class StepInfo(MutableMapping):
             raise TypeError(
                 f"a step info must be a dict (the info env.step returned), got {type(info).__name__}"
             )
-        known = {k: v for k, v in info.items() if k in _FIELDS}
-        extra = {k: v for k, v in info.items() if k not in _FIELDS}  # an env's own "extra" key too
+        known, extra = {}, {}
+        for k, v in info.items():
+            (known if k in _FIELD_SET else extra)[k] = v  # an env's own "extra" key goes to extra too
         return cls(**known, extra=extra)
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,14 +117,14 @@ class StepInfo(MutableMapping):
         return [k for k in _FIELDS if k != "success" or self.success is not None]
 
     def __getitem__(self, key: str) -> Any:
-        if key in _FIELDS:
+        if key in _FIELD_SET:
             if key == "success" and self.success is None:
                 raise KeyError(key)
             return getattr(self, key)
         return self.extra[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
-        if key in _FIELDS:
+        if key in _FIELD_SET:
             setattr(self, key, value)
             self.__post_init__()  # coerce and check the new value like the constructor does
         else:
@@ -130,7 +135,7 @@ class StepInfo(MutableMapping):
             if self.success is None:
                 raise KeyError(key)
             self.success = None
-        elif key in _FIELDS:
+        elif key in _FIELD_SET:
             raise KeyError(f"{key!r} is a StepInfo field and cannot be deleted; assign it instead")
         else:
             del self.extra[key]
@@ -147,6 +152,7 @@ class StepInfo(MutableMapping):
 
 
 _FIELDS = tuple(f.name for f in fields(StepInfo) if f.name != "extra")
+_FIELD_SET = frozenset(_FIELDS)
 
 
 def _str_list(name: str, x: Any) -> list[str]:
@@ -156,6 +162,8 @@ def _str_list(name: str, x: Any) -> list[str]:
 
 
 def _finite(name: str, x: Any) -> float:
+    if type(x) is float and math.isfinite(x):
+        return x
     if (
         isinstance(x, bool)
         or not isinstance(x, (int, float, np.integer, np.floating))
