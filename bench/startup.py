@@ -97,13 +97,17 @@ def timed_run(cmd: list[str], store: Path, env: dict[str, str], timeout: float =
     reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)  # drains the pipe
     reader.start()
     first = None
-    while proc.poll() is None:
-        if first is None and store.is_dir() and any(store.glob("*.arrow")):
-            first = time.perf_counter() - t0
-        if time.perf_counter() - t0 > timeout:
+    try:
+        while proc.poll() is None:
+            if first is None and store.is_dir() and any(store.glob("*.arrow")):
+                first = time.perf_counter() - t0
+            if time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"{cmd[:3]} timed out:\n{''.join(out)[-3000:]}")
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:  # never leave a run behind
             proc.kill()
-            raise RuntimeError(f"{cmd[:3]} timed out:\n{''.join(out)[-3000:]}")
-        time.sleep(0.05)
+            proc.wait()
     exit_s = time.perf_counter() - t0
     reader.join(timeout=30)
     text = "".join(out)
