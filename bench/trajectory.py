@@ -124,7 +124,9 @@ def m_savez():
                 f"{i}_lp": t.rollout_logprobs,
                 f"{i}_re": t.routed_experts,
                 f"{i}_turns": np.array([[s.start, s.end] for s in t.turns]),
-                f"{i}_json": np.frombuffer(json.dumps([t.step_infos, t.metadata]).encode(), np.uint8),
+                f"{i}_json": np.frombuffer(
+                    json.dumps([[s.to_dict() for s in t.step_infos], t.metadata]).encode(), np.uint8
+                ),
             }
         _fsync_write(d / "x.npz", lambda f: np.savez(f, **arrays))
         return (d / "x.npz").stat().st_size

@@ -3,7 +3,8 @@
     cfg = load_config("configs/tiny.yaml", ["learner.lr=1e-5", "rollout.num_workers=4"])
     write_resolved(cfg, cfg.logging.run_dir)          # -> <run_dir>/config.yaml, reloadable as is
 
-Sections (docs/config.md lists every key): model, env, rewards, rollout, learner, orchestrator, logging.
+Sections (docs/config.md lists every key): model, env, rewards, rollout, learner, orchestrator, logging,
+warmup.
 
 Overrides are `dotted.key=value`; the value is parsed as a YAML scalar or flow collection (`1e-5`, `true`,
 `null`, `[1, 2]`, `{difficulty: 2}`), list items are addressed by index (`rewards.0.weight=0.5`).
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import importlib
 import inspect
 import re
 import sys
@@ -172,6 +172,16 @@ class OrchestratorSection(_Section):
     resume: bool = True  # continue from the latest checkpoint in logging.run_dir
 
 
+class WarmupSection(_Section):
+    """The SFT warm-up on an env's oracle episodes (`odyssey warmup`, rl/warmup.py)."""
+
+    steps: int = Field(250, ge=1)  # optimizer steps
+    batch_size: int = Field(8, ge=1)  # oracle transcripts per step
+    lr: float = Field(1e-3, gt=0.0)  # peak AdamW lr (from 2e-3: format learnt faster, digit copying stalls)
+    warmup_steps: int = Field(10, ge=0)  # linear lr warm-up, then cosine decay to lr_min_ratio * lr
+    lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0)
+
+
 class LoggingSection(_Section):
     run_dir: str = "runs/default"
     log_every: int = Field(1, ge=1)  # learner steps between metric lines
@@ -192,6 +202,7 @@ class RunConfig(_Section):
     learner: LearnerSection = Field(default_factory=LearnerSection)
     orchestrator: OrchestratorSection = Field(default_factory=OrchestratorSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    warmup: WarmupSection = Field(default_factory=WarmupSection)
 
     @model_validator(mode="after")
     def _meaning(self) -> RunConfig:
@@ -354,15 +365,12 @@ def _env_problems(env: EnvSection) -> list[str]:
         return [f"env.id: env {env.id!r} is broken: {entry.error}"]
     factory = entry.factory
     if factory is None:
-        module, _, attr = entry.entry_point.partition(":")
+        from envs.dotted import DottedNameError, resolve_name
+
         try:
-            factory = importlib.import_module(module)
-            for part in attr.split("."):
-                factory = getattr(factory, part)
-        except Exception as e:
-            return [
-                f"env.id: env {env.id!r} cannot be imported from {entry.entry_point}: {type(e).__name__}: {e}"
-            ]
+            factory = resolve_name(entry.entry_point, what="entry point")
+        except DottedNameError as e:
+            return [f"env.id: env {env.id!r} cannot be imported from {entry.entry_point}: {e.problem}"]
     accepted = _accepted_kwargs(factory)
     if accepted is None:
         return []

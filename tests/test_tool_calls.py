@@ -39,7 +39,12 @@ class EchoEnv(ToolEnv):
 
     @tool
     def add(self, a: float, b: float) -> float:
-        """Add two numbers."""
+        """Add two numbers.
+
+        Args:
+            a: the first.
+            b: the second.
+        """
         return a + b
 
     @tool
@@ -54,7 +59,11 @@ class EchoEnv(ToolEnv):
 
     @tool
     def done(self, ok: bool) -> str:
-        """End the episode."""
+        """End the episode.
+
+        Args:
+            ok: whether it succeeded.
+        """
         self.finish(1.0 if ok else 0.0)
         return "bye"
 
@@ -138,11 +147,13 @@ def test_schema_from_hints_and_docstring():
         Args:
             name: the name,
                 continued here.
-            n (int): a count.
+            n: a count.
             x: a number.
             flag: a switch.
             tags: labels.
             mode: speed.
+            limit: an optional cap.
+            extra: more counts.
 
         Returns:
             something.
@@ -161,11 +172,40 @@ def test_schema_from_hints_and_docstring():
     assert props["flag"]["type"] == "boolean"
     assert props["tags"]["type"] == "array" and props["tags"]["items"] == {"type": "string"}
     assert props["mode"]["enum"] == ["fast", "slow"] and props["mode"]["default"] == "fast"
-    assert props["limit"]["anyOf"] == [{"type": "integer"}, {"type": "null"}]
-    assert props["extra"]["anyOf"][0] == {"type": "object", "additionalProperties": {"type": "integer"}}
+    assert props["limit"] == dict(type="integer", nullable=True, description="an optional cap.", default=None)
+    assert props["extra"]["additionalProperties"] == {"type": "integer"} and props["extra"]["nullable"]
     assert fn["parameters"]["required"] == ["name", "n", "x", "flag", "tags"]
     assert fn["parameters"]["additionalProperties"] is False
     json.dumps(schema)  # serialisable for chat templates
+
+
+def test_schema_is_transformers_get_json_schema_plus_defaults():
+    """The schema the model sees is transformers' get_json_schema of the method; Odyssey only adds each
+    optional parameter's default and additionalProperties: false (and normalises description spacing)."""
+    from transformers.utils import get_json_schema
+
+    hf = get_json_schema(EchoEnv.echo)["function"]
+    ours = EchoEnv().tools["echo"].schema()["function"]
+    assert ours["name"] == hf["name"] == "echo" and ours["description"] == " ".join(hf["description"].split())
+    props = ours["parameters"]["properties"]
+    assert {k: {f: v for f, v in p.items() if f != "default"} for k, p in props.items()} == hf["parameters"][
+        "properties"
+    ]
+    assert props["times"]["default"] == 1 and "default" not in props["text"]
+
+
+def test_undocumented_tool_fails_at_env_construction_with_the_fix():
+    class Bare(ToolEnv):
+        def generate_task(self, seed, options):
+            return type("T", (), {"task_id": "t", "prompt": "p"})()
+
+        @tool
+        def go(self, n: int) -> str:
+            """Go somewhere."""
+            return str(n)
+
+    with pytest.raises(ToolDefinitionError, match=r"tool 'go': .*no description for the argument 'n'.*Args:"):
+        Bare()
 
 
 def test_bad_tool_definitions_fail_at_decoration():
@@ -201,7 +241,12 @@ def test_tool_inheritance_override_and_duplicates():
 
         @tool
         def add(self, a: float, b: float) -> float:
-            """Subtract instead."""
+            """Subtract instead.
+
+            Args:
+                a: from this.
+                b: subtract this.
+            """
             return a - b
 
     assert list(Child().tools) == ["echo", "add", "refuse", "done"]
