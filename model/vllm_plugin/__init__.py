@@ -28,3 +28,18 @@ def register() -> None:
     AutoConfig.register(OdysseyConfig.model_type, OdysseyConfig, exist_ok=True)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+
+
+def attention_hf_overrides(config: dict) -> dict[str, int]:
+    """The attention shape vLLM's generic code reads from the HF config (block-size alignment of the
+    hybrid cache): the MLA layers are MQA over the latent, mla_num_heads query heads, one KV head of size
+    mla_kv_lora_rank. Pass as ``hf_overrides`` (``--hf-overrides`` for `vllm serve`)."""
+    return {"num_attention_heads": int(config["mla_num_heads"]), "num_key_value_heads": 1,
+            "head_dim": int(config["mla_kv_lora_rank"])}
+
+
+def checkpoint_names_rpc(worker) -> list[str]:
+    """Run through `LLM.collective_rpc`: the tensor names the loaded model takes from a checkpoint."""
+    from model.vllm_plugin.modeling import checkpoint_names
+
+    return sorted(checkpoint_names(worker.model_runner.get_model()))

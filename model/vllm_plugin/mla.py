@@ -42,7 +42,8 @@ class VllmGatedMLA(GatedMLA):
         )
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                past: list[torch.Tensor] | None = None, absorb: bool | None = None) -> tuple[torch.Tensor, None]:
+                past: list[torch.Tensor] | None = None,
+                absorb: bool | None = None) -> tuple[torch.Tensor, None]:
         if past is not None or absorb is False:
             raise ValueError("VllmGatedMLA attends through vLLM's cache (absorbed form only); no past/absorb")
         T = x.shape[0]

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
 from model.config import OdysseyConfig
@@ -139,13 +140,21 @@ class OdysseyVllmForCausalLM(nn.Module, HasInnerState, IsHybrid):
         with torch.no_grad():
             for name, tensor in weights:
                 if name not in wanted:
-                    raise ValueError(f"checkpoint tensor {name!r} is not a parameter of the Odyssey vLLM model "
-                                     f"(config {self.config.model_type}); was it saved from a different config?")
+                    raise ValueError(f"checkpoint tensor {name!r} is not a parameter of the Odyssey vLLM "
+                                     "model; was it saved from a different config?")
                 dst = targets[name]
                 if tuple(dst.shape) != tuple(tensor.shape):
                     raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
                                      f"expects {tuple(dst.shape)}; was it saved from a different config?")
-                dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+                # vLLM's loader convention: a parameter's own weight_loader (reload_weights wraps it to
+                # buffer the tensor while the layer is being re-materialised); buffers are copied
+                loader = getattr(dst, "weight_loader", None)
+                if loader is not None:
+                    loader(dst, tensor)
+                elif isinstance(dst, nn.Parameter):
+                    default_weight_loader(dst, tensor)
+                else:
+                    dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
                 loaded.add(name)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")

@@ -30,8 +30,8 @@ class RoutedExpertsLog:
             experts: np.ndarray) -> None:
         """One step: request i owns rows query_start_loc[i]:query_start_loc[i+1] of positions/experts."""
         if int(query_start_loc[-1]) != positions.shape[0]:
-            raise RuntimeError(f"routed experts: step layout covers {int(query_start_loc[-1])} tokens but the "
-                               f"forward recorded {positions.shape[0]}")
+            raise RuntimeError(f"routed experts: the step layout covers {int(query_start_loc[-1])} tokens "
+                               f"but the forward recorded {positions.shape[0]}")
         for i, rid in enumerate(req_ids):
             a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
             if b > a:
@@ -61,7 +61,8 @@ def rows_by_position(positions: np.ndarray, experts: np.ndarray, start: int, sto
     seen[positions[keep] - start] = True
     if not seen.all():
         missing = (np.flatnonzero(~seen) + start).tolist()
-        raise RuntimeError(f"routed experts missing for token positions {missing[:8]} (of {start}..{stop - 1})")
+        raise RuntimeError(f"routed experts missing for token positions {missing[:8]} "
+                           f"(of {start}..{stop - 1})")
     return out
 
 
