@@ -306,8 +306,8 @@ class VllmEngine:
         n = len(history) + len(req.prompt_ids)
         if n + 2 > self.max_model_len:
             raise ValueError(f"prompt of {n} tokens (session {len(history)} + new {len(req.prompt_ids)}) "
-                             f"does not fit max_model_len={self.max_model_len} (which needs 2 spare positions: one "
-                             "generated token and the flush); raise max_model_len (VllmEngine(..., "
+                             f"does not fit max_model_len={self.max_model_len} (it needs 2 spare positions: "
+                             "one generated token and the flush); raise max_model_len (VllmEngine(..., "
                              "max_model_len=N)) or lower the episode budget (rollout.max_tokens)")
         budget = min(req.sampling.max_new_tokens, self.max_model_len - n - 1)
         if sess is None:
