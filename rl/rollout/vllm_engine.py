@@ -169,6 +169,7 @@ class VllmEngine:
         vcfg = self.core.vllm_config
         self.max_model_len = int(vcfg.model_config.max_model_len)
         self.prefix_caching = bool(vcfg.cache_config.enable_prefix_caching)
+        self.block_size = int(vcfg.cache_config.block_size)
         self.max_batch_size = int(vcfg.scheduler_config.max_num_seqs)
         from model.vllm_plugin import routing
 
@@ -265,6 +266,14 @@ class VllmEngine:
             if r.future is not None and not r.future.done():
                 r.future.set_exception(RuntimeError("VllmEngine closed while this request was in flight"))
         self._pending = []
+
+    def shutdown(self) -> None:
+        """Stop the vLLM engine and free its caches (the engine is unusable afterwards)."""
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.engine_core.shutdown()
+            self.core = None
+            self.llm = None
 
     # ------------------------------------------------------------------ serving loop
     async def _serve(self) -> None:
@@ -419,8 +428,11 @@ class VllmEngine:
             if rows is None:
                 raise RuntimeError(f"no routed experts were recorded for request {r.ext_id}")
             experts = self._routing.rows_by_position(*rows, n_hist, n_prompt + n_gen)
-            prompt_routed = experts[: n_prompt - n_hist].astype(np.uint16)
-            routed = experts[n_prompt - n_hist:].astype(np.uint16)
+            # as TorchEngine: None for an empty part (no new prompt tokens, or nothing generated)
+            if n_prompt > n_hist:
+                prompt_routed = experts[: n_prompt - n_hist].astype(np.uint16)
+            if n_gen:
+                routed = experts[n_prompt - n_hist:].astype(np.uint16)
         sess = r.session
         sess.cache.tokens = r.prompt + r.tokens
         sess.num_tokens = len(sess.cache.tokens)
