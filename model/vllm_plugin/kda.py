@@ -13,8 +13,10 @@ A forward over vLLM's packed batch (query_start_loc = cu_seqlens [N+1], one slot
     recurrent[slots], conv[slots] = new                      written back in place
 
 so the math (projections, short conv, gate, `chunk_kda`, `fused_recurrent_kda_step`, output gate and norm)
-is `model.kda`'s, shared with the trainer and `TorchEngine`. vLLM's own KDA kernels are CUDA-only.
-The metadata comes from vLLM's LINEAR state backend (query_start_loc, seq_lens, state_indices_tensor).
+is `model.kda`'s, shared with the trainer and `TorchEngine`. vLLM orders a batch decodes first; the decode
+requests (one token each) and the others run as two groups, so decodes always take the recurrent step.
+vLLM's own KDA kernels are CUDA-only. The metadata comes from vLLM's LINEAR state backend
+(query_start_loc, seq_lens, state_indices_tensor).
 Profile / warm-up forwards carry no metadata: the layer then runs statelessly and touches no cache.
 """
 
@@ -82,16 +84,30 @@ class VllmKDA(KDAttention, MambaBase):
         if meta is None:  # profile / dummy run: no requests, no cache
             y, _ = KDAttention.forward(self, x, cu_seqlens)
             return y, None
-        n = meta.num_prefills + meta.num_decodes
-        slots = meta.state_indices_tensor[:n].long()
-        q_lens = meta.query_start_loc[1 : n + 1] - meta.query_start_loc[:n]
-        fresh = (meta.seq_lens[:n] - q_lens) == 0  # no computed tokens yet: start from zeros
+        # vLLM puts the decode requests (one new token each) first: they take the recurrent step, the
+        # rest (prefills, continuations) the chunkwise form; a mixed batch through chunk_kda alone would
+        # pad every decode row to a whole chunk
+        nd, n = meta.num_decodes, meta.num_prefills + meta.num_decodes
+        qsl, d_tok = meta.query_start_loc, meta.num_decode_tokens
+        parts = []
+        if nd:
+            parts.append(self._run(x[:d_tok], qsl[: nd + 1], meta, 0, nd))
+        if n > nd:
+            parts.append(self._run(x[d_tok:], qsl[nd : n + 1] - qsl[nd], meta, nd, n))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
+
+    def _run(self, x: torch.Tensor, cu: torch.Tensor, meta, a: int, b: int) -> torch.Tensor:
+        """Requests a..b-1 of the batch (tokens x, local cu_seqlens): gather their states, run the layer,
+        write the states back."""
+        slots = meta.state_indices_tensor[a:b].long()
+        q_lens = cu[1:] - cu[:-1]
+        fresh = (meta.seq_lens[a:b] - q_lens) == 0  # no computed tokens yet: start from zeros
         conv_cache, rec_cache = self.kv_cache
         rec, conv = rec_cache[slots], conv_cache[slots]
         if bool(fresh.any()):
             rec[fresh] = 0.0
             conv[fresh] = 0.0
-        y, new = KDAttention.forward(self, x, cu_seqlens, KDALayerState(rec, conv))
+        y, new = KDAttention.forward(self, x, cu.to(torch.int32), KDALayerState(rec, conv))
         rec_cache[slots] = new.recurrent
         conv_cache[slots] = new.conv.to(conv_cache.dtype)
-        return y, None
+        return y

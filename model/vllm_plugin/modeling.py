@@ -15,6 +15,7 @@ Parameter names are the checkpoint's (`OdysseyForCausalLM.save_pretrained`), so 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import ClassVar, Literal
 
@@ -71,6 +72,9 @@ class OdysseyVllmForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.has_moe = bool(config.moe_layer_indices)
         self.routed_experts_log = RoutedExpertsLog()
         self._step_routing: tuple[np.ndarray, np.ndarray] | None = None
+        # seconds in this model's forward and in the runner's execute_model (input preparation + forward;
+        # added by routing.install), for bench/vllm_engine.py's "where the time goes"
+        self.timing = {"forward_s": 0.0, "execute_model_s": 0.0, "forwards": 0}
 
     # ---- vLLM hybrid-state interface --------------------------------------------------------------
     @classmethod
@@ -111,6 +115,7 @@ class OdysseyVllmForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 **kwargs: object) -> torch.Tensor:
         if inputs_embeds is not None:
             raise ValueError("OdysseyVllmForCausalLM takes token ids, not inputs_embeds")
+        t0 = time.perf_counter()
         T = input_ids.shape[0]
         cu = self._batch_layout(T, input_ids.device)
         n = int(cu[-1])
@@ -120,6 +125,8 @@ class OdysseyVllmForCausalLM(nn.Module, HasInnerState, IsHybrid):
                                   routed.cpu().numpy().astype(np.uint16))
         if n < T:
             h = torch.cat([h, h.new_zeros(T - n, h.shape[-1])])
+        self.timing["forward_s"] += time.perf_counter() - t0
+        self.timing["forwards"] += 1
         return h
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ Rows are stored by absolute token position, so recomputed tokens (preemption) ov
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -76,7 +77,9 @@ def install(worker: Any) -> bool:
     execute = runner.execute_model
 
     def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
         out = execute(scheduler_output, *args, **kwargs)
+        model.timing["execute_model_s"] += time.perf_counter() - t0
         step = model.take_step_routing()
         if step is not None:
             req_ids = list(runner.input_batch.req_ids)
@@ -93,3 +96,8 @@ def take(worker: Any, req_ids: list[str]) -> dict[str, tuple[np.ndarray, np.ndar
     """Remove and return the routing rows of `req_ids` from the worker's log."""
     log = worker.model_runner.get_model().routed_experts_log
     return {r: log.take(r) for r in req_ids}
+
+
+def timing(worker: Any) -> dict[str, float]:
+    """The model's cumulative timing counters (forward_s, execute_model_s, forwards)."""
+    return dict(worker.model_runner.get_model().timing)

@@ -41,6 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,8 +121,9 @@ class VllmEngine:
     model_dir: a directory saved by `OdysseyForCausalLM.save_pretrained`. detokenize: ids -> text, needed
     only for stop strings. seed: base of the seeds drawn for requests that give none. weight_version:
     version of the weights in model_dir. engine_kwargs: vLLM engine arguments (`vllm.LLM`), e.g.
-    max_model_len, max_num_seqs, max_num_batched_tokens, dtype, enable_prefix_caching; the defaults are
-    dtype = the checkpoint's, max_num_seqs 64, enforce_eager, skip_tokenizer_init, processed log-probs.
+    max_model_len, max_num_seqs, max_num_batched_tokens, dtype, enable_prefix_caching, block_size; the
+    defaults are dtype = the checkpoint's, max_num_seqs 64, the smallest block size the hybrid cache allows,
+    enforce_eager, skip_tokenizer_init, processed log-probs.
     """
 
     def __init__(self, model_dir: str, *, detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
@@ -151,6 +153,10 @@ class VllmEngine:
         kwargs = dict(
             dtype=cfg.get("dtype") or cfg.get("torch_dtype") or "float32",
             max_num_seqs=64,
+            # vLLM raises this to the smallest block whose attention page holds one KDA state page (tiny:
+            # 64 tokens); small blocks keep what a session continuation recomputes after its last cached
+            # block short
+            block_size=32,
             enforce_eager=True,  # the plugin's forward has host syncs (packed layouts): no graphs
             skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs",
@@ -177,6 +183,12 @@ class VllmEngine:
         self.llm.collective_rpc(routing.install)
         self._param_names = set(self.llm.collective_rpc(plugin.checkpoint_names_rpc)[0])
         self._lock = threading.Lock()  # one engine call at a time (steps, weight updates)
+        # vLLM's CPU attention checks that its metadata and its kernel see the same OpenMP thread count,
+        # an ICV of the calling thread: every thread that steps the engine is pinned to this process's
+        # torch thread count once (vLLM replaces torch.set_num_threads with a no-op, hence torch._C)
+        self._threads = torch.get_num_threads()
+        self._pinned = threading.local()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
         self._inflight: dict[str, _VReq] = {}  # by external id
         self._ids = itertools.count()
         # async serving state
@@ -267,10 +279,16 @@ class VllmEngine:
                 r.future.set_exception(RuntimeError("VllmEngine closed while this request was in flight"))
         self._pending = []
 
+    def worker_timing(self) -> dict[str, float]:
+        """Seconds spent in the model runner's execute_model and in the model's forward (cumulative)."""
+        with self._lock:
+            return self.llm.collective_rpc(self._routing.timing)[0]
+
     def shutdown(self) -> None:
         """Stop the vLLM engine and free its caches (the engine is unusable afterwards)."""
         core = getattr(self, "core", None)
         if core is not None:
+            self._executor.shutdown(wait=True)
             core.engine_core.shutdown()
             self.core = None
             self.llm = None
@@ -285,7 +303,7 @@ class VllmEngine:
             free = self.max_batch_size - len(self._inflight)
             admit, self._pending = self._pending[:free], self._pending[free:]
             try:
-                finished = await asyncio.to_thread(self._step, admit)
+                finished = await asyncio.get_running_loop().run_in_executor(self._executor, self._step, admit)
             except Exception as err:  # fail every request in flight, keep serving new ones
                 victims = list(self._inflight.values()) + [r for r in admit if r.ext_id not in self._inflight]
                 self._abort_all(victims)
@@ -356,6 +374,9 @@ class VllmEngine:
 
     def _step(self, admit: list[_VReq]) -> list[tuple[_VReq, GenerationResult]]:
         """Add `admit`, run one vLLM step, apply stops; returns the requests that finished (with results)."""
+        if not getattr(self._pinned, "done", False):
+            torch._C.set_num_threads(self._threads)
+            self._pinned.done = True
         with self._lock, torch.inference_mode():
             for r in admit:
                 self._add(r)

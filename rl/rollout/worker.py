@@ -269,6 +269,7 @@ class RolloutWorker:
             tokenizer = load_tokenizer()
         self.codec = ChatCodec(tokenizer)
         self._engine_dir: str | None = None
+        self._own_engine = engine is None  # an injected engine is the caller's to shut down
         if engine is None:
             engine, self._engine_dir = build_engine(settings, self.codec.decode)
         self.engine = engine
@@ -394,7 +395,7 @@ class RolloutWorker:
     async def close(self) -> None:
         if hasattr(self.engine, "aclose"):
             await self.engine.aclose()
-        if hasattr(self.engine, "shutdown"):
+        if self._own_engine and hasattr(self.engine, "shutdown"):
             self.engine.shutdown()
         if self._engine_dir:
             shutil.rmtree(self._engine_dir, ignore_errors=True)
