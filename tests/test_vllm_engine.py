@@ -91,7 +91,7 @@ def test_entry_point_registers_the_plugin(engine):
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 50)])
 def test_logprob_and_routing_parity(engine, ckpt, temperature, top_p, top_k):
     """Sampled continuations: the engine's log-probs and routed experts == the trainer's on the same tokens.
-    Prompts of 7, 60 and 200 tokens (the last spans two 128-token cache blocks) decoded in one batch."""
+    Prompts of 7, 60 and 200 tokens (the last spans several cache blocks) decoded in one batch."""
     model = ckpt[1]
     sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=40)
     prompts = [prompt(i, n) for i, n in enumerate((7, 60, 200))]

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rl.rollout.engine import FinishReason, GenerationRequest, GenerationResult, Session
+from rl.rollout.engine import FinishReason, GenerationRequest, GenerationResult, Session, stop_reason
 
 ARCHITECTURE = "OdysseyForCausalLM"
 
@@ -424,21 +424,9 @@ class VllmEngine:
                 r.flushed = True
                 return
             r.tokens.append(int(t))
-            lp = 0.0 if r.greedy else float(logprobs[i][t].logprob)
-            r.logprobs.append(lp)
-            p = r.req.sampling
-            if t in p.stop_token_ids:
-                r.finish = "stop_token"
-            elif p.stop_strings and self._hit_stop_string(r):
-                r.finish = "stop_string"
-            elif len(r.tokens) >= r.budget:
-                r.finish = "length"
+            r.logprobs.append(0.0 if r.greedy else float(logprobs[i][t].logprob))
+            r.finish = stop_reason(r.tokens, r.req.sampling, self.detokenize, r.budget)
         self.stats["decode_tokens"] += len(token_ids)
-
-    def _hit_stop_string(self, r: _VReq) -> bool:
-        longest = max(len(x) for x in r.req.sampling.stop_strings)
-        tail = self.detokenize(r.tokens[-(longest + 4):])
-        return any(x in tail for x in r.req.sampling.stop_strings)
 
     def _result(self, r: _VReq, rows: tuple[np.ndarray, np.ndarray] | None) -> GenerationResult:
         n_hist, n_prompt, n_gen = len(r.history), len(r.prompt), len(r.tokens)
