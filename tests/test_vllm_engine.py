@@ -215,8 +215,21 @@ def test_update_weights_then_parity_again(engine, ckpt, tmp_path):
     sp = SamplingParams(temperature=1.0, max_new_tokens=24)
     p = prompt(60, 140)
     before = engine.generate([GenerationRequest(p, SamplingParams(temperature=0, max_new_tokens=8))])[0]
+    turn1 = engine.generate([GenerationRequest(p, SamplingParams(temperature=0, max_new_tokens=20))])[0]
     try:
         _reload(engine, new)
+        # a session from before the update: its cached blocks were computed with the old weights and must
+        # not be reused; its continuation equals a fresh prefill of the whole conversation with the new ones
+        more = prompt(61, 30)
+        cont = engine.generate([GenerationRequest(more, SamplingParams(temperature=0, max_new_tokens=12),
+                                                  turn1.session)])[0]
+        conv = p + turn1.token_ids + more
+        greedy12 = SamplingParams(temperature=0, max_new_tokens=12)
+        fresh = engine.generate([GenerationRequest(conv, greedy12)])[0]
+        assert cont.token_ids == fresh.token_ids
+        assert np.array_equal(cont.prompt_routed_experts, fresh.prompt_routed_experts[-len(more):])
+        _, routed_new = trainer_view(new, conv + cont.token_ids, len(conv))
+        assert routing_agreement(engine_routing(cont), routed_new[-(len(more) + 12):]) >= ROUTING_MIN
         assert engine.weight_version >= 1
         res = engine.generate([GenerationRequest(p, sp)])[0]
         assert res.weight_version == engine.weight_version
