@@ -223,6 +223,23 @@ def test_failures_give_marked_stored_trajectories(codec, tmp_path):
     )
 
 
+def test_worker_engine_choice_follows_the_config():
+    """rollout.engine reaches the worker (WorkerSettings.engine) and picks the engine class; an unknown name
+    is refused naming the choices (the vLLM engine itself: tests/test_vllm_rollout.py)."""
+    from rl.config import load_config
+    from rl.rollout.engine import TorchEngine
+    from rl.rollout.worker import build_engine
+
+    vllm_cfg = load_config("configs/tiny.yaml", ["rollout.engine=vllm"])
+    assert WorkerSettings.from_config(vllm_cfg).engine == "vllm"
+    settings = WorkerSettings.from_config(load_config("configs/tiny.yaml", []))
+    engine, tmp = build_engine(settings, detokenize=str)
+    assert settings.engine == "torch" and isinstance(engine, TorchEngine) and tmp is None
+    settings.engine = "jax"
+    with pytest.raises(ValueError, match="unknown rollout engine 'jax'; use 'torch' or 'vllm'"):
+        build_engine(settings, detokenize=str)
+
+
 # ----------------------------------------------------------------------------- real engine
 def test_real_engine_episode_parity_and_faithfulness(codec, model):
     """TorchEngine on the tiny model, 3 turns of arith: rollout logprobs == token_logprobs (T=1) on the

@@ -17,6 +17,8 @@ failures come back as trajectories marked `infra_error` (see agent_loop.py).
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -38,7 +40,8 @@ class WorkerSettings:
     env_id / env_kwargs: `envs.make(env_id, sandbox_pool=..., **env_kwargs)`.
     model_preset / model_overrides / checkpoint / dtype: the policy (checkpoint dir wins when set;
     otherwise a freshly initialised preset seeded with `init_seed`, so every worker holds the same
-    weights). seed: episode seeds derive from it (`episode_seed`).
+    weights). seed: episode seeds derive from it (`episode_seed`). engine: "torch" (TorchEngine) or
+    "vllm" (VllmEngine on the plugin; `build_engine`).
     episode: budgets and decoding. concurrency: episodes in flight per worker. shared_pool: the worker
     starts one shared SandboxPool of `sandbox_pool_size` (default: concurrency) on `sandbox_image`
     (None = default) when the env uses sandboxes; False = each env leases from its own pool.
@@ -63,6 +66,7 @@ class WorkerSettings:
     max_batch_size: int = 64
     prefill_chunk_size: int = 2048
     torch_threads: int | None = None
+    engine: str = "torch"
 
     def episode_seed(self, index: int) -> int:
         """Seed of global episode `index` (the env's task and the sampling seeds derive from it)."""
@@ -99,6 +103,7 @@ class WorkerSettings:
             rewards=[e.model_dump(exclude_none=True) for e in cfg.rewards],
             store_dir=store_dir,
             max_batch_size=max(64, r.concurrent_episodes),
+            engine=r.engine,
         )
 
 
@@ -118,6 +123,40 @@ def build_policy(settings: WorkerSettings) -> Any:
             torch.manual_seed(settings.init_seed)
             model = OdysseyForCausalLM(cfg)
     return model.to(dtype).eval()
+
+
+def build_engine(settings: WorkerSettings, detokenize: Callable[[list[int]], str]) -> tuple[Any, str | None]:
+    """The worker's engine by `settings.engine`: TorchEngine on `build_policy`, or VllmEngine on the
+    checkpoint directory (a fresh preset is saved to a temporary directory first, so both engines start
+    from the same weights). Returns (engine, temporary directory to delete on close, or None)."""
+    if settings.engine == "torch":
+        from rl.rollout.engine import TorchEngine
+
+        engine = TorchEngine(build_policy(settings), detokenize=detokenize,
+                             max_batch_size=settings.max_batch_size,
+                             prefill_chunk_size=settings.prefill_chunk_size, seed=settings.seed)
+        return engine, None
+    if settings.engine != "vllm":
+        raise ValueError(f"unknown rollout engine {settings.engine!r}; use 'torch' or 'vllm'")
+    from rl.rollout.vllm_engine import VllmEngine
+
+    model_dir, tmp = settings.checkpoint, None
+    if not model_dir:
+        tmp = model_dir = tempfile.mkdtemp(prefix="odyssey-vllm-policy-")
+        build_policy(settings).save_pretrained(model_dir)
+    try:
+        engine = VllmEngine(
+            model_dir, detokenize=detokenize, seed=settings.seed, dtype=settings.dtype,
+            max_num_seqs=settings.max_batch_size,
+            max_num_batched_tokens=max(settings.prefill_chunk_size, settings.max_batch_size),
+            # an episode never holds more than max_episode_tokens; +2: the flush and one spare position
+            max_model_len=settings.episode.max_episode_tokens + 2,
+        )
+    except BaseException:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return engine, tmp
 
 
 @dataclass
@@ -229,16 +268,10 @@ class RolloutWorker:
 
             tokenizer = load_tokenizer()
         self.codec = ChatCodec(tokenizer)
+        self._engine_dir: str | None = None
+        self._own_engine = engine is None  # an injected engine is the caller's to shut down
         if engine is None:
-            from rl.rollout.engine import TorchEngine
-
-            engine = TorchEngine(
-                build_policy(settings),
-                detokenize=self.codec.decode,
-                max_batch_size=settings.max_batch_size,
-                prefill_chunk_size=settings.prefill_chunk_size,
-                seed=settings.seed,
-            )
+            engine, self._engine_dir = build_engine(settings, self.codec.decode)
         self.engine = engine
         self._env_factory = env_factory
         self._pool = sandbox_pool
@@ -362,6 +395,11 @@ class RolloutWorker:
     async def close(self) -> None:
         if hasattr(self.engine, "aclose"):
             await self.engine.aclose()
+        if self._own_engine and hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
+        if self._engine_dir:
+            shutil.rmtree(self._engine_dir, ignore_errors=True)
+            self._engine_dir = None
         if self._own_pool and self._pool is not None:
             await self._pool.close()
             self._pool = None
