@@ -300,6 +300,20 @@ if os.fork() == 0:
 os.wait()
 '''
 
+# Reads the checks it is about to be given from the runner's memory and prints a result line for each, with
+# guesses, before the runner can: only the right values would pass.
+GUESSING_CHEAT = r'''
+import gc, json, os, sys
+is_checks = lambda o: isinstance(o, list) and o and isinstance(o[0], dict) and "code" in o[0]
+checks = [o for o in gc.get_objects() if is_checks(o)]
+for check in (checks[0] if checks else []):
+    for guess in ([True], [0], [1], [-1], [[]], [None]):
+        print("@@observed " + json.dumps({"id": check["id"], "trace": guess, "note": ""}))
+print("PASS")
+sys.stdout.flush()
+os._exit(0)
+'''
+
 CHEATS = {
     "stack_walk_nonce_and_os_exit": STACK_WALK_CHEAT,
     "print_pass_lines_and_os_exit": PRINT_PASS_CHEAT,
@@ -308,6 +322,7 @@ CHEATS = {
     "autoload_files_for_the_next_run": AUTOLOAD_CHEAT,
     "background_output_forger": BACKGROUND_CHEAT,
     "system_exit_at_import": "raise SystemExit(0)\n",
+    "guess_results_from_the_runner_memory": GUESSING_CHEAT,
     "keyboard_interrupt_at_import": "raise KeyboardInterrupt\n",
 }
 
@@ -322,6 +337,24 @@ def test_code_repair_test_cheats_score_nothing(sandbox_pool, cheat):
     assert last[2] and last[4]["success"] == 0.0, (cheat, last[0])
     assert all(s[4]["subgoals"] == [] for s in steps), (cheat, [s[4]["subgoals"] for s in steps])
     assert all(s[4]["infra_error"] is None for s in steps), cheat
+
+
+@pytest.mark.docker
+def test_code_repair_overfitting_the_visible_tests_scores_nothing(sandbox_pool):
+    """The buggy module, plus hard-coded answers for exactly the inputs of the visible tests: it would pass
+    the test file, but the checks draw fresh inputs every run."""
+    env = envs.make("code-repair", difficulty=0, sandbox_pool=sandbox_pool)
+    env.reset(seed=4)  # the `search` template, insert_position broken for duplicates
+    assert env.task.template.name == "search"
+    overfit = env.task.buggy_source + (
+        "\n_orig = insert_position\n\n\ndef insert_position(items, target):\n"
+        "    if list(items) == [1, 2, 2, 3] and target == 2:\n        return 1\n"
+        "    return _orig(items, target)\n"
+    )
+    env.close()
+    steps = _code_repair_episode(sandbox_pool, overfit)
+    assert steps[-1][4]["success"] == 0.0 and all(s[4]["subgoals"] == [] for s in steps)
+    assert "FAIL test_insert_duplicates" in steps[1][0][0]["content"]
 
 
 @pytest.mark.docker
