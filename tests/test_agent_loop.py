@@ -179,6 +179,7 @@ def test_failures_give_marked_stored_trajectories(codec, tmp_path):
     assert all(
         t.outcome is None and t.metadata["reward_status"] == "skipped_infra_error" for t in got.values()
     )
+    assert [got[i].metadata["infra_source"] for i in (0, 1, 2)] == ["env", "env", "engine"]
 
 
 # ----------------------------------------------------------------------------- real engine
@@ -263,3 +264,4 @@ def test_arith_in_real_sandbox_and_container_killed_mid_episode(codec, sandbox_p
     assert good.step_infos[0]["tool_results"][0].strip().lstrip("-").isdigit()
     assert killed.infra_error and "Sandbox" in killed.infra_error, killed.infra_error
     assert killed.n_assistant_turns == 2 and killed.outcome is None and "total" not in killed.rewards
+    assert killed.metadata["infra_source"] == "sandbox" and "infra_source" not in good.metadata
