@@ -125,6 +125,8 @@ class RolloutSection(_Section):
     seed: int = 0
     sandbox_pool_size: int = Field(4, ge=0)  # warm sandboxes per worker; 0 = no shared pool
     sandbox_image: str | None = None  # None = sandbox.image.DEFAULT_IMAGE
+    # stop when more than this share of a batch's episodes end in infra errors (rl.rollout.health); 1 = never
+    max_infra_fraction: float = Field(0.5, gt=0.0, le=1.0)
 
 
 class LearnerSection(_Section):
