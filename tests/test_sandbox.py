@@ -425,3 +425,26 @@ def test_pool_reports_an_image_that_vanished(docker_sandbox) -> None:
         pool.close_sync()
         if any(tag in img.tags for img in images.list(name="odyssey-sandbox")):
             images.remove(tag)
+
+
+def test_the_next_odyssey_run_reaps_a_sigkilled_owner(sandbox_leak_check, docker_sandbox) -> None:
+    """No live pool anywhere, no `sandbox gc`: the start of the next `odyssey rollout` reclaims the leases
+    (even one that then fails on its config)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    sandbox_leak_check.track_pid(proc.pid)
+    try:
+        assert proc.stdout.readline().strip(), "the holder process did not start"
+        deadline = time.monotonic() + 20
+        while len([i for i in list_sandboxes() if i.owner_pid == proc.pid]) < 2:  # + its warm replacement
+            assert time.monotonic() < deadline, "the holder's pool did not refill"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run = subprocess.run(
+        [sys.executable, "-m", "rl.cli", "rollout", "/nonexistent/config.yaml"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and "no such config file" in run.stderr, run.stderr[-2000:]
+    assert not [i for i in list_sandboxes() if i.owner_pid == proc.pid]
