@@ -441,18 +441,9 @@ def test_read_file_on_an_endless_file_fails_fast(sandbox_pool):
 # One subprocess reads every damaged copy of a store; each read runs in a forked child, so a segmentation
 # fault is observed (as a signal) instead of killing the test. Each child reports what it read.
 STORE_READER = r"""
-import hashlib, json, os, sys, warnings
+import json, os, sys, warnings
 from rl.trajectory import TrajectoryStore
-
-def digest(t):
-    h = hashlib.sha256()
-    for a in (t.tokens, t.loss_mask, t.rollout_logprobs):
-        h.update(a.tobytes())
-    h.update(json.dumps([t.metadata, t.step_infos, t.rewards, t.turn_rewards, [vars(s) for s in t.turns],
-                         t.outcome, t.infra_error, t.reward_error], sort_keys=True).encode())
-    if t.routed_experts is not None:
-        h.update(t.routed_experts.tobytes())
-    return h.hexdigest()
+from tests.traj_factory import digest
 
 for root in sys.argv[1:]:
     r, w = os.pipe()
@@ -477,27 +468,10 @@ for root in sys.argv[1:]:
 """
 
 
-def _digest(t) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for a in (t.tokens, t.loss_mask, t.rollout_logprobs):
-        h.update(a.tobytes())
-    h.update(
-        json.dumps(
-            [t.metadata, t.step_infos, t.rewards, t.turn_rewards, [vars(s) for s in t.turns], t.outcome,
-             t.infra_error, t.reward_error],
-            sort_keys=True,
-        ).encode()
-    )
-    if t.routed_experts is not None:
-        h.update(t.routed_experts.tobytes())
-    return h.hexdigest()
-
-
 @pytest.mark.slow
 def test_store_corruption_never_silently_changes_data_or_kills_the_reader(tmp_path):
-    """Random 16-byte overwrites at many offsets of a store file. Every read returns only original records;
+    """Random 16-byte overwrites at 180 offsets of three store files (uncompressed, lz4, zstd): 40 spread
+    evenly over each file and 20 random ones. Every read returns only original records;
     the damaged file is either read unchanged or skipped with a warning naming it; len(store) agrees with
     what iter() yields; the reading process never dies (segfaults are caught in a forked child)."""
     import os
@@ -508,13 +482,13 @@ def test_store_corruption_never_silently_changes_data_or_kills_the_reader(tmp_pa
     import numpy as np
 
     from rl.trajectory import TrajectoryStore
-    from tests.traj_factory import make_traj, step
+    from tests.traj_factory import digest, make_traj, step
 
     src = tmp_path / "src"
-    store = TrajectoryStore(src, fsync=False)
     rng = np.random.default_rng(0)
     originals = []
-    for f in range(3):
+    for f, compression in enumerate((None, "lz4", "zstd")):  # decompression is a classic crash path too
+        store = TrajectoryStore(src, compression=compression, fsync=False)
         batch = []
         for i in range(3):
             layout = [("prompt", 5 + i), ("assistant", 7), ("observation", 4), ("assistant", 3 + f)]
@@ -524,15 +498,19 @@ def test_store_corruption_never_silently_changes_data_or_kills_the_reader(tmp_pa
             batch.append(t)
         store.append(batch, max_batch_tokens=40)  # several record batches per file
         originals += batch
-    want = {_digest(t) for t in originals}
+    want = {digest(t) for t in originals}
     files = sorted(p.name for p in store.files())
+    plan = []  # (file, offset): 40 evenly spaced per file (header, schema, batches, footer) + 20 random
+    for name in files:
+        size = (src / name).stat().st_size
+        plan += [(name, int(o)) for o in np.linspace(0, size - 16, 40)]
+        plan += [(name, int(rng.integers(0, size - 16))) for _ in range(20)]
     trials = []
-    for k in range(60):
+    for k, (name, off) in enumerate(plan):
         dst = tmp_path / f"t{k}"
         shutil.copytree(src, dst)
-        victim = dst / files[k % len(files)]
+        victim = dst / name
         data = bytearray(victim.read_bytes())
-        off = int(rng.integers(0, len(data) - 16))
         data[off : off + 16] = rng.integers(0, 256, 16, dtype=np.uint8).tobytes()
         victim.write_bytes(bytes(data))
         trials.append((dst, victim.name, off))
