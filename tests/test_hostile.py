@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import pytest
@@ -192,6 +193,45 @@ def test_fake_markers_in_output_are_just_output(sandbox_pool):
     assert '{"rc": 0}' in res.stderr
 
 
+@pytest.mark.docker
+def test_planted_python_files_do_not_reach_the_supervisor(sandbox_pool):
+    """The agent plants json.py, sitecustomize.py, usercustomize.py and a .pth file in every directory it
+    can write, and PYTHON* variables cannot reach it either: a freshly started exec supervisor (as after an
+    OOM kill) imports none of them (python3 -I -S, working directory /) and runs commands normally."""
+    from sandbox.exec_channel import SupervisorChannel, encode_request
+
+    bomb = "import os\nopen('/tmp/planted-ran', 'w').close()\n"
+    with sandbox_pool.lease_sync() as sb:
+        for d in ("/work", "/tmp", "/dev/shm"):
+            for name in ("json.py", "os.py", "select.py", "sitecustomize.py", "usercustomize.py"):
+                sb.write_file(f"{d}/{name}", bomb.encode())
+            sb.write_file(f"{d}/zz.pth", b"import sitecustomize\n")
+        chan = SupervisorChannel.start(sb._api, sb.id, time.monotonic() + 30)
+        try:
+            req = encode_request(["id", "-u"], {}, "/work", 5, 1000, None, uid=AGENT_UID, gid=AGENT_UID)
+            out = chan.run(req, time.monotonic() + 10, 1000)
+        finally:
+            chan.close()
+        assert out.kind == "done" and out.result["rc"] == 0 and bytes(out.stdout) == b"1000\n", out
+        assert sb.exec("test -e /tmp/planted-ran").exit_code == 1
+
+
+@pytest.mark.docker
+def test_argument_list_too_long_says_what_the_agent_did(sandbox_pool):
+    with sandbox_pool.lease_sync() as sb:
+        res = sb.exec(["echo", "x" * 300_000])
+    assert res.exit_code == 126 and "too long" in res.stderr and "300000 bytes" in res.stderr, res
+    assert not re.search(r"line \d+", res.stderr) and "wrapper" not in res.stderr  # no internal line
+
+
+@pytest.mark.docker
+def test_non_utf8_and_nul_output_is_text_the_tokenizer_takes(sandbox_pool, codec):
+    with sandbox_pool.lease_sync() as sb:
+        res = sb.exec(r"printf 'a\377\376b\0c\355\240\200d'; printf '\300' >&2; exit 5")
+    assert res.exit_code == 5 and res.stdout == "a\ufffd\ufffdb\x00c\ufffd\ufffd\ufffdd"
+    codec.continuation([{"role": "tool", "content": res.stdout + res.stderr}])  # encodable
+
+
 # ========================================================================================= code repair
 def _code_repair_episode(pool, module_source: str, seed: int = 4, runs: int = 2) -> list[tuple]:
     """A code-repair episode where the agent writes `module_source`, runs the tests `runs` times, submits."""
@@ -355,6 +395,36 @@ def test_code_repair_overfitting_the_visible_tests_scores_nothing(sandbox_pool):
     steps = _code_repair_episode(sandbox_pool, overfit)
     assert steps[-1][4]["success"] == 0.0 and all(s[4]["subgoals"] == [] for s in steps)
     assert "FAIL test_insert_duplicates" in steps[1][0][0]["content"]
+
+
+SYMLINK_MODULE = r'''
+import os
+here = os.path.dirname(os.path.abspath(__file__))
+for name in os.listdir(here):
+    if name.endswith(".py"):
+        os.remove(os.path.join(here, name))
+        os.symlink("/dev/zero", os.path.join(here, name))
+'''
+
+
+@pytest.mark.docker
+def test_code_repair_symlinks_to_endless_files_are_tool_errors(sandbox_pool):
+    """The module replaces itself and the test file with symlinks to /dev/zero: reading them is a quick,
+    bounded tool error; the tests fail; the episode is scored, not an infra error."""
+    env = envs.make("code-repair", difficulty=0, sandbox_pool=sandbox_pool)
+    env.reset(seed=4)
+    mod, tests = env.task.module_file, env.task.test_file
+    steps = [env.step(format_tool_call("write_file", {"path": mod, "content": SYMLINK_MODULE}))]
+    steps.append(env.step(format_tool_call("run_tests")))
+    t0 = time.monotonic()
+    steps.append(env.step(format_tool_call("read_file", {"path": tests})))
+    steps.append(env.step(format_tool_call("read_file", {"path": mod})))
+    assert time.monotonic() - t0 < 10
+    steps.append(env.step(format_tool_call("submit")))
+    env.close()
+    assert all(s[4]["infra_error"] is None for s in steps)
+    assert all("larger than" in s[4]["tool_errors"][0] for s in steps[2:4]), [s[4] for s in steps[2:4]]
+    assert steps[-1][4]["success"] == 0.0
 
 
 @pytest.mark.docker
