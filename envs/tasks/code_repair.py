@@ -236,20 +236,18 @@ def _search_checks(rng: np.random.Generator) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
-_ROMAN = ((1000, "M"), (900, "CM"), (500, "D"), (400, "CD"), (100, "C"), (90, "XC"), (50, "L"), (40, "XL"),
-          (10, "X"), (9, "IX"), (5, "V"), (4, "IV"), (1, "I"))  # fmt: skip
-
-
-def _roman(n: int) -> str:
-    out = []
-    for value, symbol in _ROMAN:
-        while n >= value:
-            out.append(symbol)
-            n -= value
-    return "".join(out)
+def _reference(template: str, name: str) -> Callable:
+    """`name` from a template's correct module (its own source, run here): the check generators build
+    inputs with it (e.g. valid Roman numerals), so no second copy of the module's logic exists."""
+    (t,) = [t for t in TEMPLATES if t.name == template]
+    namespace: dict[str, Any] = {}
+    exec(compile(t.source, f"<reference {t.name}>", "exec"), namespace)  # our own template code
+    return namespace[name]
 
 
 def _roman_checks(rng: np.random.Generator) -> dict[str, list[str]]:
+    _roman = _reference("roman", "to_roman")
+
     def number(digits: tuple[int, ...], hundreds: tuple[int, ...] | None = None, thousands=(0, 1, 2, 3)):
         d = [int(rng.choice(thousands)), int(rng.choice(hundreds or digits)), int(rng.choice(digits)),
              int(rng.choice(digits))]  # fmt: skip
