@@ -235,7 +235,7 @@ def test_non_utf8_and_nul_output_is_text_the_tokenizer_takes(sandbox_pool, codec
 # ========================================================================================= code repair
 def _code_repair_episode(pool, module_source: str, seed: int = 4, runs: int = 2) -> list[tuple]:
     """A code-repair episode where the agent writes `module_source`, runs the tests `runs` times, submits."""
-    env = envs.make("code-repair", difficulty=0, sandbox_pool=pool)
+    env = envs.make("code-repair", difficulty=0, sandbox_pool=pool, run_timeout_s=5.0)
     env.reset(seed=seed)
     mod = env.task.module_file
     steps = [env.step(format_tool_call("write_file", {"path": mod, "content": module_source}))]
@@ -363,6 +363,8 @@ CHEATS = {
     "background_output_forger": BACKGROUND_CHEAT,
     "system_exit_at_import": "raise SystemExit(0)\n",
     "guess_results_from_the_runner_memory": GUESSING_CHEAT,
+    "flood_output_at_import": "import sys\nsys.stdout.write('PASS\\n' * (20 << 20))\n",
+    "ignore_alarms_and_hang": "import signal as s\ns.signal(s.SIGALRM, s.SIG_IGN)\nwhile 1:\n    pass\n",
     "keyboard_interrupt_at_import": "raise KeyboardInterrupt\n",
 }
 
@@ -540,8 +542,8 @@ for root in sys.argv[1:]:
 
 @pytest.mark.slow
 def test_store_corruption_never_silently_changes_data_or_kills_the_reader(tmp_path):
-    """Random 16-byte overwrites at 180 offsets of three store files (uncompressed, lz4, zstd): 40 spread
-    evenly over each file and 20 random ones. Every read returns only original records;
+    """Random 16-byte overwrites at 105 offsets of three store files (uncompressed, lz4, zstd): 25 spread
+    evenly over each file and 10 random ones. Every read returns only original records;
     the damaged file is either read unchanged or skipped with a warning naming it; len(store) agrees with
     what iter() yields; the reading process never dies (segfaults are caught in a forked child)."""
     import os
@@ -570,11 +572,11 @@ def test_store_corruption_never_silently_changes_data_or_kills_the_reader(tmp_pa
         originals += batch
     want = {digest(t) for t in originals}
     files = sorted(p.name for p in store.files())
-    plan = []  # (file, offset): 40 evenly spaced per file (header, schema, batches, footer) + 20 random
+    plan = []  # (file, offset): 25 evenly spaced per file (header, schema, batches, footer) + 10 random
     for name in files:
         size = (src / name).stat().st_size
-        plan += [(name, int(o)) for o in np.linspace(0, size - 16, 40)]
-        plan += [(name, int(rng.integers(0, size - 16))) for _ in range(20)]
+        plan += [(name, int(o)) for o in np.linspace(0, size - 16, 25)]
+        plan += [(name, int(rng.integers(0, size - 16))) for _ in range(10)]
     trials = []
     for k, (name, off) in enumerate(plan):
         dst = tmp_path / f"t{k}"
