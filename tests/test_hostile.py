@@ -498,6 +498,62 @@ def test_pathological_turns_are_agent_errors_and_scored(codec, kind):
     assert is_trainable(traj) and traj.rewards["total"] == 1.0
 
 
+class _FragileEnv(envs.ToolEnv):
+    """A plugin env with a bug in its own code: it raises when a turn holds 'boom' and no tool call."""
+
+    env_id = "fragile"
+    default_max_turns = 2
+
+    def generate_task(self, seed, options):
+        return type("Task", (), {"task_id": f"fragile/{seed}", "prompt": "say anything"})()
+
+    def on_no_tool_call(self, text):
+        if "boom" in text:
+            raise ValueError("the env's parser choked")
+        return super().on_no_tool_call(text)
+
+    @envs.tool
+    def noop(self) -> str:
+        """Do nothing."""
+        return "ok"
+
+
+class _SlowScripted(ScriptedEngine):
+    async def agenerate(self, req):
+        await asyncio.sleep(0.05)
+        return await super().agenerate(req)
+
+
+def test_an_env_failing_on_most_of_a_batch_stops_the_run(codec, tmp_path):
+    """The policy found a turn that makes the env's own code raise. Each such episode is an infra error
+    (source "env", counted per env), and once they are most of the batch the rollout stops early instead
+    of leaving a biased sample."""
+    from rich.console import Console
+
+    from rl.rollout.cli import _run_local
+    from rl.rollout.health import BatchUnhealthy, InfraGuard
+    from rl.rollout.worker import RolloutWorker, WorkerSettings
+    from rl.trajectory import TrajectoryStore
+
+    settings = WorkerSettings(
+        env_id="fragile", store_dir=str(tmp_path / "store"), concurrency=2, shared_pool=False,
+        rewards=[{"name": "outcome", "weight": 1.0}],
+    )  # fmt: skip
+    worker = RolloutWorker(
+        settings, engine=_SlowScripted(codec, ["boom"] * 10_000), env_factory=lambda pool: _FragileEnv(),
+        tokenizer=codec.tok,
+    )  # fmt: skip
+    n = 200
+    with pytest.raises(BatchUnhealthy, match="'fragile' ended .* of the batch's 200 episodes.*Sources: env"):
+        asyncio.run(_run_local(settings, n, Console(quiet=True), InfraGuard(0.5), worker=worker))
+    stored = TrajectoryStore(tmp_path / "store").read_all()
+    assert 100 < len(stored) < n  # stopped as soon as the outcome was certain
+    assert all(t.infra_error and t.metadata["infra_source"] == "env" for t in stored)
+    assert all("env.step: ValueError: the env's parser choked" in t.infra_error for t in stored)
+    report = worker._report
+    assert report.infra_by_env == {"fragile": len(stored)} and report.infra_by_source == {"env": len(stored)}
+
+
 # ======================================================================================== endless file
 @pytest.mark.docker
 def test_read_file_on_an_endless_file_fails_fast(sandbox_pool):
