@@ -232,6 +232,38 @@ def test_non_utf8_and_nul_output_is_text_the_tokenizer_takes(sandbox_pool, codec
     codec.continuation([{"role": "tool", "content": res.stdout + res.stderr}])  # encodable
 
 
+MEMORY_HOGS = r"""
+import os, time
+for _ in range(24):
+    if os.fork() == 0:
+        x = bytearray(8 << 20)
+        for j in range(0, len(x), 4096):
+            x[j] = 1
+        time.sleep(600)
+        os._exit(0)
+"""
+
+
+@pytest.mark.docker
+def test_starving_the_supervisor_of_memory_or_cpu_is_the_agents_failure(sandbox_pool):
+    """Background processes hold most of the memory (many small ones, none larger than the supervisor)
+    or spin on every core: commands still report their own results (OOM-killed allocations, a timeout
+    that fires on time), never an infrastructure error, and the supervisor survives."""
+    with sandbox_pool.lease_sync() as sb:  # 256 MiB memory limit
+        sb.exec(["bash", "-c", 'setsid python3 -c "$1" >/dev/null 2>&1 &', "hogs", MEMORY_HOGS])
+        time.sleep(2)
+        for _ in range(3):
+            res = sb.exec(["python3", "-c", "x = bytearray(80 << 20); print(len(x))"], timeout_s=20)
+            assert res.exit_code in (0, 137) and (res.exit_code == 0 or res.oom_killed), res
+        assert sb.exec("echo alive").stdout == "alive\n"
+        sb.exec("kill -9 -1; true")  # the memory hogs go; the CPU hogs come
+        sb.exec("for i in $(seq 48); do (setsid sh -c 'while :; do :; done' &); done")
+        t0 = time.monotonic()
+        assert sb.exec("sleep 0.2; exit 3", timeout_s=20).exit_code == 3
+        res = sb.exec("sleep 30", timeout_s=2)
+        assert res.timed_out and res.exit_code == 137 and time.monotonic() - t0 < 15, res
+
+
 # ========================================================================================= code repair
 def _code_repair_episode(pool, module_source: str, seed: int = 4, runs: int = 2) -> list[tuple]:
     """A code-repair episode where the agent writes `module_source`, runs the tests `runs` times, submits."""
