@@ -341,11 +341,14 @@ class Sandbox:
         diag = chan.diagnostics.decode(errors="replace")
         if "Traceback" in diag:  # our supervisor crashed: an infrastructure failure, never the agent's
             raise SandboxError(f"the exec supervisor of sandbox {self.name} crashed:\n{diag[-2000:]}")
+        if outcome.kind == "not_accepted":  # killed twice before taking the request: it never ran
+            msg = f"odyssey: cannot start the command: {_NO_ROOM}\n".encode()
+            return out, err + msg, ExecResult(126, "", "", duration_s=duration)
         note = (
             "\n[odyssey: the sandbox's exec supervisor was killed during this command "
             "(memory exhausted?); the command's result is lost]\n"
         )
-        return out, err + note.encode(), ExecResult(137, "", "", False, False, duration, True)
+        return out, err + note.encode(), ExecResult(137, "", "", False, False, duration)
 
     # ---- the exec supervisor: started once per sandbox, reused by every call --------------------------
     def _start_supervisor(self, deadline: float) -> SupervisorChannel | None:
