@@ -236,8 +236,8 @@ def _keeper(req, stdin_r, out_w, err_w, status_w, release_r):
 
 
 def _parse_status(text):
-    """(wait status or None, fork errno or None) from the keeper's report so far."""
-    for line in text.split(b"\n"):
+    """(wait status or None, fork errno or None) from the complete lines of the keeper's report so far."""
+    for line in text.split(b"\n")[:-1]:
         word, _, value = line.partition(b" ")
         if word == b"status" and value:
             return int(value), None

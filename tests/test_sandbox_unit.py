@@ -142,6 +142,7 @@ def test_supervisor_finds_a_whole_process_tree_and_reads_wait_statuses() -> None
     assert exec_helper._parse_status(b"status 768\n") == (768, None)
     assert exec_helper._parse_status(b"forkerr 11\n") == (None, 11)
     assert exec_helper._parse_status(b"stat") == (None, None)
+    assert exec_helper._parse_status(b"status 12") == (None, None)  # a line is complete at its newline
     assert exec_helper._returncode(3 << 8) == 3 and exec_helper._returncode(9) == 137
 
 
