@@ -12,8 +12,12 @@ Episode:
 
 Each step parses the turn's tool calls (`envs.tool_call`), validates each call against its `@tool`
 schema (`envs.tools`), runs it, and returns one `{"role": "tool", "content": ...}` message per
-call. Malformed JSON, an unknown tool, bad arguments and a tool that raises all become an
-`error: ...` tool message the model can read plus an entry in `info["tool_errors"]`; none raises.
+call. Malformed JSON, an unknown tool, bad arguments, a tool that raises and more than
+`max_tool_calls_per_turn` calls all become an `error: ...` tool message the model can read plus an
+entry in `info["tool_errors"]`; none raises. Parsing, dispatch and the observation are total
+functions of the model's text: error messages quote it through `envs.tool_call.echo` (truncated,
+escaped) and every observation is free of lone surrogates, so no turn can make the step (or the
+tokenizer after it) fail. Only the env's own code, the sandbox or the engine can cause an infra error.
 A turn without any tool call gets `on_no_tool_call(text)` (default: a user nudge restating the format).
 
 Step info (every step; built as an `envs.trajectory.StepInfo`, returned as its dict per gymnasium, and
@@ -51,12 +55,13 @@ from typing import Any, ClassVar, Protocol
 import gymnasium
 
 from envs.spaces import ChatMessages, ChatText
-from envs.tool_call import EXPECTED_FORMAT, ToolCallError, parse_tool_calls
+from envs.tool_call import EXPECTED_FORMAT, ToolCallError, echo, parse_tool_calls, without_surrogates
 from envs.tools import ToolArgumentError, ToolDefinitionError, ToolError, ToolSpec
 from envs.trajectory import StepInfo
 from sandbox.errors import SandboxError
 
 Message = dict[str, str]
+MAX_ERROR_CHARS = 1000  # an error observation (which may quote the model) is cut at this length
 
 
 class TaskLike(Protocol):
@@ -82,6 +87,7 @@ class ToolEnv(gymnasium.Env):
     env_id: str = "tool-env"
     uses_sandbox: bool = False  # a subclass (or an instance, before reset) may switch it on
     default_max_turns: ClassVar[int] = 10
+    max_tool_calls_per_turn: ClassVar[int] = 32  # calls beyond this in one turn are not run (one error)
     instructions: ClassVar[str] = "You solve the task by calling tools."
     #: filled by __init_subclass__: tool name -> spec, in declaration order (base classes first)
     _tool_specs: ClassVar[dict[str, ToolSpec]] = {}
@@ -291,6 +297,7 @@ class ToolEnv(gymnasium.Env):
         obs: list[Message] = []
 
         def error(message: str, call_result: bool) -> None:
+            message = echo(message, MAX_ERROR_CHARS)
             info.tool_errors.append(message)
             if call_result:
                 info.tool_results.append(f"error: {message}")
@@ -300,19 +307,31 @@ class ToolEnv(gymnasium.Env):
         if not items:
             info.no_tool_call = True
             obs.extend(self.on_no_tool_call(text))
+        if len(items) > self.max_tool_calls_per_turn:
+            error(
+                f"{len(items)} tool calls in one turn; only the first {self.max_tool_calls_per_turn} "
+                "are run. Make fewer calls per turn.",
+                call_result=False,
+            )
+            items = items[: self.max_tool_calls_per_turn]
         for item in items:
             if self._finished is not None:
                 break  # an earlier call this turn ended the episode; the rest are not run
             if isinstance(item, ToolCallError):
                 error(item.message, call_result=False)
                 continue
-            info.tool_calls.append(item.to_dict())
             spec = self.tools.get(item.name)
             if spec is None:
-                close = difflib.get_close_matches(item.name, list(self.tools), n=1)
+                info.tool_calls.append({"name": echo(item.name), "arguments": item.arguments})
+                short = len(item.name) < 64  # a hint for plausible typos only (difflib is quadratic)
+                close = difflib.get_close_matches(item.name, list(self.tools), n=1) if short else []
                 hint = f" Did you mean '{close[0]}'?" if close else ""
-                error(f"unknown tool '{item.name}'.{hint} Available tools: {', '.join(self.tools)}", True)
+                error(
+                    f"unknown tool {echo(item.name, 100)!r}.{hint} Available tools: {', '.join(self.tools)}",
+                    True,
+                )
                 continue
+            info.tool_calls.append(item.to_dict())
             try:
                 args = spec.validate(item.arguments)
             except ToolArgumentError as err:
@@ -330,7 +349,7 @@ class ToolEnv(gymnasium.Env):
                 else:
                     error(f"tool '{spec.name}' raised {type(err).__name__}: {err}", True)
                 continue
-            content = "" if result is None else str(result)
+            content = without_surrogates("" if result is None else str(result))
             info.tool_results.append(content)
             obs.append({"role": "tool", "content": content})
 

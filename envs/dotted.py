@@ -9,7 +9,9 @@ callable) and the fix. A leaf module (standard library only): `envs/`, `rewards/
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import io
 import pkgutil
 import re
 import sys
@@ -40,7 +42,8 @@ def is_well_formed(s: Any) -> bool:
 def resolve_name(name: str, what: str = "object", callable_: bool = True) -> Any:
     """The object `name = "pkg.module:attr"` points to (`attr` may be dotted, e.g. Cls.method).
 
-    Raises DottedNameError (a ValueError) naming the failing part: malformed name, module not importable,
+    Raises DottedNameError (a ValueError) naming the failing part: malformed name, module not importable
+    (including one that calls sys.exit while importing: its usage message is quoted, not printed),
     missing attribute (with close matches), or, with `callable_`, an object that cannot be called.
     """
     if not is_well_formed(name):
@@ -50,10 +53,25 @@ def resolve_name(name: str, what: str = "object", callable_: bool = True) -> Any
             "is malformed; expected 'pkg.module:function' (a module importable from the training process, "
             "a colon, then the attribute)",
         )
+    module = name.split(":")[0]
+    printed = io.StringIO()
     try:
-        obj = pkgutil.resolve_name(name)
+        with contextlib.redirect_stderr(printed):  # a usage message is quoted below, not printed as ours
+            obj = pkgutil.resolve_name(name)
+    except SystemExit as e:  # argparse parsing the command line at import time, for instance
+        said = printed.getvalue().strip()[-500:]
+        raise DottedNameError(
+            what,
+            name,
+            f"importing module {module!r} called sys.exit({e.code!r}); a module must not exit when imported "
+            "(argparse parsing the command line at import does this: move it under "
+            "`if __name__ == '__main__':`)" + (f". It printed: {said!r}" if said else ""),
+        ) from None
     except Exception as e:
         raise DottedNameError(what, name, _why(name, e)) from e
+    finally:
+        if printed.getvalue() and module in sys.modules:
+            sys.stderr.write(printed.getvalue())  # warnings of a module that imported fine stay visible
     if callable_ and not callable(obj):
         raise DottedNameError(what, name, f"is a {type(obj).__name__}, not a callable")
     return obj

@@ -87,4 +87,6 @@ def normalize_result(out: Any, n_turns: int) -> RewardResult:
     components = {}
     for k, v in (out.components or {}).items():
         components[str(k)] = float(v)
+        if not math.isfinite(components[str(k)]):
+            raise ValueError(f"returned a non-finite component {str(k)!r} = {components[str(k)]}")
     return RewardResult(value, per_turn, components)

@@ -15,7 +15,8 @@ YAML (a list; see docs/rewards.md):
     traj.rewards["total"]      = sum_k weight_k * value_k
     traj.turn_rewards[i]       = sum_{k with per_turn} weight_k * per_turn_k[i]
 
-A reward function that raises (or returns garbage) sets traj.reward_error and leaves no rewards,
+A reward function that raises (SystemExit included) or returns garbage (a non-finite value, per-turn
+value or component included) sets traj.reward_error and leaves no rewards,
 so the trajectory is excluded (`is_trainable`) and counted (`RewardMetrics`), never silently zero.
 A trajectory with an infrastructure error is not scored at all.
 """
@@ -250,7 +251,7 @@ def compose(traj: Trajectory, specs: Sequence[RewardSpec | dict]) -> Trajectory:
     for spec in specs:
         try:
             out = spec.fn(traj, **spec.params)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # a reward that calls sys.exit must not end the worker
             log.warning("reward %r (%s) raised", spec.key, spec.name, exc_info=True)
             errors.append(f"reward {spec.key!r} ({spec.name}) raised {type(e).__name__}: {e}")
             failed.append(spec.key)

@@ -10,6 +10,8 @@ Each command group lives with the code it drives; this file only dispatches:
     odyssey warmup CONFIG --out DIR           -> rl.warmup.cli_main
 
 Imports are lazy so `odyssey --help` answers instantly and one broken group cannot break the others.
+Every run command (RUN_COMMANDS) first reaps the sandbox containers of dead owners on this host
+(`sandbox.reaper.reap_quietly`), so leases of a SIGKILLed run never outlive the next run.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "sandbox": ("sandbox.image", "cli_main", "sandbox image and containers: sandbox build|ls|gc"),
     "envs": ("envs.registry", "cli_main", "environments: envs list"),
 }
+
+
+#: commands that start a run (and may lease sandboxes): each first reaps the leftovers of dead runs
+RUN_COMMANDS = ("rollout", "warmup", "train")
 
 
 def _usage() -> str:
@@ -49,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" Did you mean '{close[0]}'?" if close else ""
         print(f"odyssey: unknown command '{group}'.{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if group in RUN_COMMANDS:
+        from sandbox.reaper import reap_quietly
+
+        reap_quietly()
     module_name, func_name, _ = COMMANDS[group]
     func = getattr(importlib.import_module(module_name), func_name)
     return int(func(rest) or 0)

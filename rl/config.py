@@ -21,6 +21,7 @@ Validation happens in two passes, each listing every problem it finds in one `Co
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -53,7 +54,25 @@ class ConfigError(ValueError):
 
 
 class _Loader(yaml.SafeLoader):
-    pass
+    """SafeLoader with 1.2-style floats and no duplicate keys (YAML forbids them; PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    f"in the mapping starting at line {node.start_mark.line + 1}",
+                    node.start_mark,
+                    f"duplicate key {key!r} (first at line {first.start_mark.line + 1}); remove one of them",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -71,7 +90,7 @@ _Loader.add_implicit_resolver(
 
 
 def parse_yaml(text: str) -> Any:
-    """YAML with 1.2-style floats (`1e-5` is a float)."""
+    """YAML with 1.2-style floats (`1e-5` is a float); a duplicate key is an error."""
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
@@ -125,6 +144,8 @@ class RolloutSection(_Section):
     seed: int = 0
     sandbox_pool_size: int = Field(4, ge=0)  # warm sandboxes per worker; 0 = no shared pool
     sandbox_image: str | None = None  # None = sandbox.image.DEFAULT_IMAGE
+    # stop when more than this share of a batch's episodes end in infra errors (rl.rollout.health); 1 = never
+    max_infra_fraction: float = Field(0.5, gt=0.0, le=1.0)
 
 
 class LearnerSection(_Section):
@@ -208,6 +229,7 @@ class RunConfig(_Section):
     def _meaning(self) -> RunConfig:
         problems = (
             _budget_problems(self)
+            + _init_from_problems(self.model)
             + _model_problems(self.model)
             + _reward_problems(self.rewards)
             + _env_problems(self.env)
@@ -251,6 +273,22 @@ def _budget_problems(c: RunConfig) -> list[str]:
                 f"({lr.group_size}) for grpo; e.g. rollout.episodes={fit}"
             )
     return out
+
+
+def _init_from_problems(m: ModelSection) -> list[str]:
+    """model.init_from must be a saved checkpoint directory here and now (not a hub name found missing
+    30 s later inside a Ray worker)."""
+    if m.init_from is None:
+        return []
+    path = Path(m.init_from).expanduser()
+    fix = "give the directory a checkpoint was saved to (e.g. by `odyssey warmup --out DIR`), or null"
+    if not path.exists():
+        return [f"model.init_from: directory {m.init_from!r} does not exist; {fix}"]
+    if not path.is_dir():
+        return [f"model.init_from: {m.init_from!r} is a file, not a checkpoint directory; {fix}"]
+    if not (path / "config.json").is_file():
+        return [f"model.init_from: {m.init_from!r} holds no config.json: not a saved checkpoint; {fix}"]
+    return []
 
 
 def _closest(word: str, options: Sequence[str]) -> str | None:
@@ -524,12 +562,30 @@ def _index(node: list, part: str, parts: list[str], override: str) -> int:
     return int(part)
 
 
+def _defaults() -> dict[str, Any]:
+    """Every default of RunConfig as plain data (for overrides that address into a section not written)."""
+    return RunConfig.model_construct().model_dump(mode="json")
+
+
+def _default_at(path: list[str]) -> Any:
+    node: Any = _defaults()
+    for part in path:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return copy.deepcopy(node) if isinstance(node, dict | list) else None
+
+
 def _descend(node: Any, part: str, so_far: list[str], override: str) -> Any:
     if isinstance(node, list):
         return node[_index(node, part, so_far, override)]
     child = node.get(part)
-    if child is None:
-        child = node[part] = {}
+    if child is None:  # not in the file: start from the default (`learner.betas.0=0.5` sets one item)
+        default = _default_at(so_far)
+        child = node[part] = default if default is not None else {}
     if not isinstance(child, (dict, list)):
         raise ValueError(
             f"override {override!r}: {'.'.join(so_far)} is a value ({_show(child)}), not a section"
@@ -544,7 +600,15 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
         what = "is a directory, not a config file" if path.is_dir() else "no such config file"
         raise ConfigError([f"{path}: {what} (configs/ holds the shipped ones, e.g. configs/tiny.yaml)"])
     try:
-        data = parse_yaml(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            [f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start} cannot be decoded; "
+             "save the file as UTF-8"],
+            path,
+        ) from None
+    try:
+        data = parse_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -7,8 +7,11 @@ Trajectory, TurnSpan, TrajectoryStore` keeps working.
 `TrajectoryStore(dir)` appends batches of trajectories as Arrow IPC *file* format files, one
 file per `append` call. Each file is written to a hidden temporary name in the same directory,
 flushed, fsync'ed, and then renamed with `os.replace` (atomic on POSIX), so a reader sees either
-the whole file or nothing. A truncated or otherwise unreadable `.arrow` file is skipped with a
-warning, never read as a partial record. See docs/trajectory.md.
+the whole file or nothing. Store files are untrusted input when read: every record batch is
+validated (`RecordBatch.validate(full=True)`: offsets, lengths, UTF-8) before anything decodes it
+and checked against the CRC-32 of its content written with it (schema version 2), so a damaged
+file (truncated, overwritten, bit rot) is skipped as a whole with a warning naming it, never read
+as changed data and never able to crash the reader. See docs/trajectory.md.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import json
 import os
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from time import time_ns
 from typing import Any
@@ -28,8 +32,9 @@ import pyarrow as pa
 
 from envs.trajectory import ROLES, StepInfo, Trajectory, TurnSpan
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # see _UPGRADES for what each version changed and how older ones are read
 _VERSION_KEY = b"odyssey.trajectory.schema_version"
+_CRC_KEY = b"odyssey.trajectory.batch_crc32"  # JSON list: the CRC-32 of each record batch, in order
 
 # ---- Arrow schema ---------------------------------------------------------------------------------
 
@@ -187,6 +192,78 @@ def trajectories_from_batch(batch: pa.RecordBatch) -> list[Trajectory]:
     return list(_decode_rows(batch, range(batch.num_rows)))
 
 
+# ---- integrity: checksums, versions ------------------------------------------------------------------
+
+
+class CorruptStoreFile(Exception):
+    """A store file that must not be read (damaged, or not what its header says); the reader skips it."""
+
+
+class NewerStoreVersion(ValueError):
+    """A store file written by a newer Odyssey: raised, never skipped (that would silently lose data)."""
+
+
+def batch_crc32(batch: pa.RecordBatch) -> int:
+    """CRC-32 of a store-schema batch's content, column by column over exactly the logical data (the
+    numeric list columns and the JSON strings as raw buffers, the small columns through their Python
+    values). Equal for a batch and for what reading its file back gives. Only call it on a batch that
+    passed `validate(full=True)`: it reads the buffers the offsets point into."""
+    crc = 0
+    for name, col in zip(batch.schema.names, batch.columns):
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(np.asarray(col.is_null(), dtype=np.uint8).tobytes(), crc)
+        if pa.types.is_large_list(col.type):
+            offsets, values = _flat(col)
+            crc = zlib.crc32(np.ascontiguousarray(offsets).tobytes(), crc)
+            crc = zlib.crc32(memoryview(np.ascontiguousarray(values)).cast("B"), crc)
+        elif pa.types.is_large_string(col.type):
+            _, offsets_buf, data = col.buffers()
+            offsets = np.frombuffer(offsets_buf, dtype=np.int64, count=len(col) + 1, offset=8 * col.offset)
+            crc = zlib.crc32(offsets.tobytes(), crc)
+            if data is not None:
+                crc = zlib.crc32(memoryview(data)[int(offsets[0]) : int(offsets[-1])], crc)
+        else:
+            crc = zlib.crc32(json.dumps(col.to_pylist(), default=repr).encode(), crc)
+    return crc
+
+
+def _same_columns(a: pa.Schema, b: pa.Schema) -> bool:
+    return a.equals(b, check_metadata=False)
+
+
+# How each older schema version is read: a function from a validated batch of that version to one of the
+# next version, chained up to SCHEMA_VERSION. To add version N+1 (say a new column): write the batch
+# upgrade from N (append the column with the value old data implies), add it here under str(N), add the
+# column to SCHEMA, bump SCHEMA_VERSION; every older store stays readable through the chain.
+#   "1" -> "2": the same columns; version 2 files also carry a CRC-32 per record batch (_CRC_KEY).
+_UPGRADES: dict[str, Callable[[pa.RecordBatch], pa.RecordBatch]] = {"1": lambda batch: batch}
+_CHECKSUMMED_FROM = 2  # files of this version and later must carry a CRC per record batch
+
+
+def _version_of(schema: pa.Schema) -> int:
+    """The file's schema version; CorruptStoreFile for garbage, ValueError for a version newer than this
+    code reads (a real newer file must not be silently dropped)."""
+    raw = (schema.metadata or {}).get(_VERSION_KEY)
+    try:
+        version = int(raw.decode("ascii")) if raw is not None else None
+    except (UnicodeDecodeError, ValueError):
+        version = None
+    if version is None or version < 1:
+        raise CorruptStoreFile(f"schema version {raw!r} is not a version number")
+    if version > int(SCHEMA_VERSION):
+        raise NewerStoreVersion(
+            f"trajectory schema version {version}, this code reads up to {SCHEMA_VERSION}; read the store "
+            "with the Odyssey version that wrote it (or a newer one)"
+        )
+    return version
+
+
+def _upgrade(batch: pa.RecordBatch, version: int) -> pa.RecordBatch:
+    for v in range(version, int(SCHEMA_VERSION)):
+        batch = _UPGRADES[str(v)](batch)
+    return batch
+
+
 # ---- store -------------------------------------------------------------------------------------
 
 _counter = itertools.count()
@@ -217,6 +294,7 @@ class TrajectoryStore:
         self.compression = compression
         self.fsync = fsync
         self._warned: set[str] = set()
+        self._versions: dict[tuple[str, int, int], list[int | None]] = {}  # verified file -> policy versions
 
     # ---- writing ----
     def append(self, trajs: Trajectory | Iterable[Trajectory], max_batch_tokens: int = 1 << 26) -> Path:
@@ -246,8 +324,10 @@ class TrajectoryStore:
 
     def _write_file(self, path: Path, batches: list[pa.RecordBatch]) -> None:
         options = pa.ipc.IpcWriteOptions(compression=self.compression)
+        crcs = json.dumps([batch_crc32(b) for b in batches]).encode()
+        schema = SCHEMA.with_metadata({**SCHEMA.metadata, _CRC_KEY: crcs})
         with open(path, "wb") as f:
-            with pa.ipc.new_file(f, SCHEMA, options=options) as writer:
+            with pa.ipc.new_file(f, schema, options=options) as writer:
                 for b in batches:
                     writer.write_batch(b)
             f.flush()
@@ -269,33 +349,44 @@ class TrajectoryStore:
                 out.append(p)
         return out
 
-    def _open(self, path: Path) -> pa.ipc.RecordBatchFileReader | None:
+    def load_file(self, path: str | os.PathLike) -> list[Trajectory] | None:
+        """Every trajectory of one store file, or None (with a RuntimeWarning naming the file) when the file
+        cannot be trusted: unreadable, truncated, a record batch that fails validation or its checksum,
+        unexpected columns, or rows that do not decode. Validation and checksums come before any decoding,
+        and a file is all or nothing: either all its rows are returned unchanged or none."""
+        path = Path(path)
         try:
             reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-        except (pa.ArrowInvalid, OSError) as e:
-            self._warn_once(
-                path, f"TrajectoryStore: skipping unreadable file {path.name} (truncated or corrupt): {e}"
-            )
+            version = _version_of(reader.schema)
+            crcs = None
+            if version >= _CHECKSUMMED_FROM:
+                crcs = json.loads((reader.schema.metadata or {}).get(_CRC_KEY, b"null"))
+                if not isinstance(crcs, list) or len(crcs) != reader.num_record_batches:
+                    raise CorruptStoreFile("its record batch checksums are missing or do not fit the batches")
+            batches = []
+            for i in range(reader.num_record_batches):
+                batch = reader.get_batch(i)
+                if not _same_columns(batch.schema, SCHEMA):
+                    raise CorruptStoreFile(f"record batch {i} has unexpected columns")
+                batch.validate(full=True)  # offsets, lengths, UTF-8: before anything reads the buffers
+                if crcs is not None and batch_crc32(batch) != crcs[i]:
+                    raise CorruptStoreFile(f"record batch {i} fails its checksum (the data changed on disk)")
+                batches.append(_upgrade(batch, version))
+            return [t for batch in batches for t in _decode_rows(batch, range(batch.num_rows))]
+        except (pa.ArrowException, OSError, CorruptStoreFile, ValueError, TypeError, KeyError, IndexError,
+                RecursionError) as e:  # fmt: skip
+            if isinstance(e, NewerStoreVersion):
+                raise
+            why = f"{type(e).__name__}: {e}"
+            self._warn_once(path, f"TrajectoryStore: skipping corrupt file {path.name}: {why}")
             return None
-        version = (reader.schema.metadata or {}).get(_VERSION_KEY)
-        if version != SCHEMA_VERSION.encode():
-            raise ValueError(
-                f"{path}: trajectory schema version {version!r}, this code reads {SCHEMA_VERSION!r}; "
-                "read it with the Odyssey version that wrote it"
-            )
-        return reader
 
-    def _batches(self) -> Iterator[pa.RecordBatch]:
+    def _trajectories(self) -> Iterator[tuple[Path, list[Trajectory]]]:
         for path in self.files():
-            reader = self._open(path)
-            if reader is None:
-                continue
-            try:
-                batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-            except (pa.ArrowInvalid, OSError) as e:
-                self._warn_once(path, f"TrajectoryStore: skipping corrupt file {path.name}: {e}")
-                continue
-            yield from batches
+            trajs = self.load_file(path)
+            if trajs is not None:
+                self._versions[_file_key(path)] = [t.policy_version for t in trajs]
+                yield path, trajs
 
     def __iter__(self) -> Iterator[Trajectory]:
         return self.iter()
@@ -304,12 +395,15 @@ class TrajectoryStore:
         self, policy_version: int | None = None, min_policy_version: int | None = None
     ) -> Iterator[Trajectory]:
         """Yield stored trajectories in write order, optionally only those with
-        metadata["policy_version"] == policy_version and/or >= min_policy_version.
+        metadata["policy_version"] == policy_version and/or >= min_policy_version. Damaged files are
+        skipped with a warning naming them (see `load_file`).
 
         Arrays are zero-copy, read-only views into the memory-mapped file (`.copy()` to modify).
         """
-        for batch in self._batches():
-            yield from _decode_rows(batch, _matching_rows(batch, policy_version, min_policy_version))
+        for _path, trajs in self._trajectories():
+            for t in trajs:
+                if _version_matches(t.policy_version, policy_version, min_policy_version):
+                    yield t
 
     def read_all(
         self, policy_version: int | None = None, min_policy_version: int | None = None
@@ -317,8 +411,18 @@ class TrajectoryStore:
         return list(self.iter(policy_version, min_policy_version))
 
     def count(self, policy_version: int | None = None, min_policy_version: int | None = None) -> int:
-        """Number of stored trajectories (matching the filter); reads only the policy_version column."""
-        return sum(len(_matching_rows(b, policy_version, min_policy_version)) for b in self._batches())
+        """Number of stored trajectories (matching the filter) that `iter` yields: each file is verified
+        and decoded once (the result is cached per file, which never changes once written)."""
+        n = 0
+        for path in self.files():
+            versions = self._versions.get(_file_key(path))
+            if versions is None:
+                trajs = self.load_file(path)
+                if trajs is None:
+                    continue
+                versions = self._versions[_file_key(path)] = [t.policy_version for t in trajs]
+            n += sum(_version_matches(v, policy_version, min_policy_version) for v in versions)
+        return n
 
     def __len__(self) -> int:
         return self.count()
@@ -363,24 +467,28 @@ def _group_by_tokens(trajs: list[Trajectory], max_tokens: int) -> list[list[Traj
     return groups
 
 
-def _matching_rows(batch: pa.RecordBatch, version: int | None, min_version: int | None) -> list[int]:
+def _file_key(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return (path.name, st.st_size, st.st_mtime_ns)
+
+
+def _version_matches(v: int | None, version: int | None, min_version: int | None) -> bool:
     if version is None and min_version is None:
-        return list(range(batch.num_rows))
-    pv = batch.column(batch.schema.get_field_index("policy_version")).to_pylist()
-    return [
-        i
-        for i, v in enumerate(pv)
-        if v is not None and (version is None or v == version) and (min_version is None or v >= min_version)
-    ]
+        return True
+    return v is not None and (version is None or v == version) and (min_version is None or v >= min_version)
 
 
 __all__ = [
     "ROLES",
     "SCHEMA",
+    "SCHEMA_VERSION",
+    "CorruptStoreFile",
+    "NewerStoreVersion",
     "StepInfo",
     "Trajectory",
     "TrajectoryStore",
     "TurnSpan",
+    "batch_crc32",
     "trajectories_from_batch",
     "trajectories_to_batch",
     "trajectory_from_batch",

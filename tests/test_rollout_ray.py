@@ -124,11 +124,20 @@ def test_dead_worker_is_replaced_and_nothing_is_lost(ray_session, docker_image, 
         sandbox_pool_size=1,
     )
 
+    restarted_at = []
+
     def factory(i: int, attempt: int):
+        if attempt:
+            restarted_at.append(time.perf_counter())
         cls = DyingRolloutWorker if (i, attempt) == (0, 0) else RolloutWorker
         return ray.remote(num_cpus=1, max_restarts=0)(cls).remote(settings, i, engine=CalcOracleEngine())
 
+    t0 = time.perf_counter()
     report, failures = run_on_ray(settings, 6, 2, Console(file=io.StringIO()), actor_factory=factory)
+    t1 = time.perf_counter()
+    # the driver's wall time covers the restart (the new actor's start-up and its episodes), not only the
+    # replacement worker's own run: tokens/s is not inflated by a restart
+    assert restarted_at and t1 - restarted_at[0] <= report.wall_s <= t1 - t0, (report.wall_s, t0, t1)
     idx = sorted(t.metadata["episode_index"] for t in TrajectoryStore(tmp_path / "store").read_all())
     assert idx == list(range(6))
     assert (

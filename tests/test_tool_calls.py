@@ -359,3 +359,51 @@ def test_finish_stops_later_calls_and_sets_success():
     assert obs == [{"role": "tool", "content": "bye"}]
     assert (reward, term, trunc, info["success"], info["env_reward"]) == (1.0, True, False, 1.0, 1.0)
     assert [c["name"] for c in info["tool_calls"]] == ["done"]
+
+
+# ---------------------------------------------------------------------------------------------- totality
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ("[" * 5000, "nested too deeply"),
+        ('{"name": "a", "arguments": {"v": ' + "7" * 5000 + "}}", "integer is too long"),
+        ('{"name": "a", "arguments": {"v": 1e400}}', "out of range"),
+        ('{"name": "a", "arguments": {"v": NaN}}', "NaN is not valid JSON"),
+        ('{"name": "a", "arguments": {"v": -Infinity}}', "-Infinity is not valid JSON"),
+        ('{"name": "a", "name": "b"}', "duplicate key"),
+        ('{"name": "a\\ud800"}', "lone surrogate"),
+        ('{"name": "a", "arguments": {"\\udfff": 1}}', "lone surrogate"),
+    ],
+)
+def test_strict_json_rejects_what_python_would_accept_or_crash_on(body, needle):
+    (item,) = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert isinstance(item, ToolCallError) and item.kind == "malformed_json", item
+    assert needle in item.message and len(item.message) < 600
+
+
+def test_echo_bounds_and_escapes_model_text():
+    from envs.tool_call import echo, without_surrogates
+
+    text = "a\x00b\x1b[2J\u202ec\u200bd\ud800e\n\tf" + "x" * 500
+    out = echo(text, 20)
+    assert out.startswith("a\\u0000b\\u001b[2J\\u202ec\\u200bd\\ud800e\n\tf") and "more characters" in out
+    out.encode("utf-8")  # always encodable
+    assert echo("plain text") == "plain text" and echo("é中文🙂") == "é中文🙂"
+    assert without_surrogates("a\ud800b\udfff") == "a\ufffdb\ufffd" and without_surrogates("ok") == "ok"
+
+
+def test_many_calls_in_one_turn_run_only_the_first_ones():
+    text = format_tool_call("echo", {"text": "x"}) * (EchoEnv.max_tool_calls_per_turn + 10)
+    obs, _, _, _, info = _step(text)
+    assert len(info["tool_calls"]) == EchoEnv.max_tool_calls_per_turn
+    assert "only the first" in info["tool_errors"][0]
+    assert len(obs) == EchoEnv.max_tool_calls_per_turn + 1
+
+
+def test_unknown_and_confusable_names_are_echoed_safely():
+    for name in ("ech\u043e", "echo\u200b", "x" * 100_000, "ec\x00ho"):
+        obs, _, _, _, info = _step(format_tool_call(name, {"text": "a"}))
+        assert info["tool_results"] == [obs[0]["content"]]
+        assert obs[0]["content"].startswith("error: unknown tool")
+        assert len(obs[0]["content"]) < 1200 and "\x00" not in obs[0]["content"]
+        assert info["tool_calls"][0]["name"] != "echo" and len(info["tool_calls"][0]["name"]) < 300

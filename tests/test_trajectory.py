@@ -206,10 +206,41 @@ def test_truncated_file_is_skipped_with_warning(tmp_path):
     # e.g. a non-atomic copy from another filesystem: a final name with half the bytes
     for i, cut in enumerate((len(data) // 2, len(data) - 3, 10)):
         (tmp_path / f"zz-truncated{i}.arrow").write_bytes(data[:cut])
-    with pytest.warns(RuntimeWarning, match="truncated or corrupt"):
+    with pytest.warns(RuntimeWarning, match="skipping corrupt file zz-truncated"):
         got = store.read_all()
     assert [t.metadata["task_id"] for t in got] == ["t0", "t1"]
-    assert good.exists()
+    assert good.exists() and len(store) == 2
+
+
+def test_silent_change_fails_the_checksum_and_skips_the_file(tmp_path):
+    """A token id changed on disk keeps the file structurally valid; the per-batch CRC catches it."""
+    store = TrajectoryStore(tmp_path)
+    t = _rich_traj(0)
+    marker = np.arange(1000, 1016, dtype=np.int32)
+    t = Trajectory(**{**vars(t), "tokens": np.concatenate([marker, t.tokens[16:]])})
+    path = store.append(t)
+    store.append(_rich_traj(1))
+    data = bytearray(path.read_bytes())
+    at = bytes(data).find(marker.tobytes())
+    assert at > 0
+    data[at : at + 4] = np.int32(7).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match=f"skipping corrupt file {path.name}.*fails its checksum"):
+        got = store.read_all()
+    assert [x.metadata["task_id"] for x in got] == ["t1"] and len(store) == 1
+
+
+def test_version_1_stores_still_read(tmp_path):
+    """Files written before checksums (schema version "1") read back unchanged."""
+    t = _rich_traj(0)
+    schema = SCHEMA.with_metadata({b"odyssey.trajectory.schema_version": b"1"})
+    with pa.ipc.new_file(str(tmp_path / "00-old.arrow"), schema) as w:
+        w.write_batch(t.to_arrow())
+    store = TrajectoryStore(tmp_path)
+    store.append(_rich_traj(1))
+    got = store.read_all()
+    assert [x.metadata["task_id"] for x in got] == ["t0", "t1"] and len(store) == 2
+    assert np.array_equal(got[0].tokens, t.tokens) and got[0].step_infos == t.step_infos
 
 
 def test_unknown_schema_version_is_an_error(tmp_path):

@@ -17,10 +17,16 @@
 
 A worker that dies (actor killed, OOM) is named in the output and replaced once by a fresh actor that
 reruns exactly its episodes missing from the store, with the same seeds. The summary is computed from
-the store, so it counts every stored episode. Trajectories are written by the workers: on a multi-node
-cluster the run dir must be on a shared filesystem. Exit code: 0 when every episode is in the store
-(infra-failed episodes are stored, marked and counted, not fatal), 1 when some are missing, 2 on a bad
-config or arguments.
+the store, so it counts every stored episode; its wall time and tokens/s are the driver's (from the
+moment every worker is up to the last episode, worker restarts included). Trajectories are written by
+the workers: on a multi-node cluster the run dir must be on a shared filesystem.
+
+While episodes run, `rl.rollout.health.InfraGuard` watches the infra errors: once more than
+`rollout.max_infra_fraction` of the requested episodes ended in one (the env's own code raising on what
+the policy wrote, a dead sandbox, a failing engine), the run stops, since the rest would be a biased
+sample. Exit code: 0 when every episode is in the store (infra-failed episodes are stored, marked and
+counted, not fatal), 1 when some are missing, 2 on a bad config or arguments, 3 when the infra guard
+stopped the run.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 
 from rich.console import Console
 
+from rl.rollout.health import BatchUnhealthy, InfraGuard
 from rl.rollout.summary import RolloutProgress, report_from_dict, report_from_store, summary_table
 from rl.rollout.worker import RolloutWorker, WorkerReport, WorkerSettings
 
@@ -94,15 +101,19 @@ def cli_main(argv: list[str]) -> int:
         f"run dir {run_dir}",
         highlight=False,
     )
+    guard = InfraGuard(cfg.rollout.max_infra_fraction)
     t0 = time.perf_counter()
+    stopped = None
     try:
         if args.no_ray:
-            report, failures = asyncio.run(_run_local(settings, n, console)), []
+            report, failures = asyncio.run(_run_local(settings, n, console, guard)), []
         else:
-            report, failures = run_on_ray(settings, n, workers, console)
+            report, failures = run_on_ray(settings, n, workers, console, guard=guard)
     except KeyboardInterrupt:
         err.print("odyssey rollout: interrupted; finished episodes are in the store", highlight=False)
         return 130
+    except BatchUnhealthy as e:
+        stopped, report, failures = str(e), WorkerReport(workers=workers), []
     wall = time.perf_counter() - t0
     report = report_from_store(store_dir, report)
     if report.wall_s == 0.0:
@@ -116,6 +127,7 @@ def cli_main(argv: list[str]) -> int:
         "store": str(store_dir),
         "driver_wall_s": wall,
         "worker_failures": failures,
+        "stopped": stopped,
         **report.to_dict(),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -130,14 +142,21 @@ def cli_main(argv: list[str]) -> int:
         err.print(
             "infra failures (first ones): " + " | ".join(report.infra_examples), highlight=False, markup=False
         )
+    if stopped:
+        err.print(f"odyssey rollout: stopped: {stopped}", highlight=False, markup=False)
+        return 3
     missing = n - stored
     if missing:
         err.print(f"odyssey rollout: {missing} of {n} episodes are missing from the store", highlight=False)
     return 1 if missing else 0
 
 
-async def _run_local(settings: WorkerSettings, n: int, console: Console) -> WorkerReport:
-    worker = RolloutWorker(settings, 0)
+async def _run_local(
+    settings: WorkerSettings, n: int, console: Console, guard: InfraGuard | None = None, worker: Any = None
+) -> WorkerReport:
+    """Episodes 0..n-1 on one in-process worker; BatchUnhealthy (episodes cancelled) when `guard` says so."""
+    worker = worker or RolloutWorker(settings, 0)
+    t0 = time.perf_counter()
     task = asyncio.ensure_future(worker.run(list(range(n))))
     try:
         with RolloutProgress(n, console) as prog:
@@ -145,9 +164,29 @@ async def _run_local(settings: WorkerSettings, n: int, console: Console) -> Work
                 await asyncio.wait([task], timeout=0.5)
                 p = await worker.progress()
                 prog.update(p["done"], p["generated_tokens"], p["infra_errors"])
-        return report_from_dict(task.result())
+                _check_guard(guard, settings, n, [p])
+        _check_guard(guard, settings, n, [await worker.progress()])  # episodes that ended after the poll
+        report = report_from_dict(task.result())
+        report.wall_s = time.perf_counter() - t0
+        return report
     finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await worker.close()
+
+
+def _check_guard(guard: InfraGuard | None, settings: WorkerSettings, n: int, polls: list[dict]) -> None:
+    """The infra guard over the workers' latest progress polls (one env per run: all infra errors count)."""
+    if guard is None:
+        return
+    by_source: dict[str, int] = {}
+    for p in polls:
+        for k, v in (p.get("infra_by_source") or {}).items():
+            by_source[k] = by_source.get(k, 0) + v
+    examples = [e for p in polls for e in p.get("infra_examples") or []]
+    total = sum(p.get("infra_errors", 0) for p in polls)
+    guard.check({settings.env_id: total}, {settings.env_id: n}, examples, by_source)
 
 
 def _init_ray(num_workers: int) -> bool:
@@ -195,13 +234,16 @@ def run_on_ray(
     console: Console,
     actor_factory: Callable[[int, int], Any] | None = None,
     max_restarts: int = 1,
+    guard: InfraGuard | None = None,
 ) -> tuple[WorkerReport, list[str]]:
     """Episodes 0..n-1 round-robin over `num_workers` RolloutWorker actors, with a progress display.
 
     A worker that dies (actor killed, OOM, crash) is reported by name and replaced by a fresh actor (at
     most `max_restarts` times per worker) that reruns exactly its episodes missing from the store, with
     the same seeds. actor_factory(worker_id, attempt) -> actor handle (default: a 1-CPU RolloutWorker).
-    Returns the merged report of the workers that finished and the failure messages.
+    guard: stops the run (BatchUnhealthy, actors killed) once it judges the infra errors too many.
+    Returns the merged report of the workers that finished (wall_s: the driver's, from every actor being
+    up to the last result, restarts included) and the failure messages.
     """
     import ray
 
@@ -214,6 +256,8 @@ def run_on_ray(
 
     store_dir = Path(settings.store_dir) if settings.store_dir else None
     actors = {i: actor_factory(i, 0) for i in range(num_workers)}
+    ray.get([a.ping.remote() for a in actors.values()])  # every actor is up: the driver's clock starts
+    t0 = time.perf_counter()
     attempts = dict.fromkeys(actors, 0)
     splits = {i: list(range(i, n, num_workers)) for i in range(num_workers)}
     assigned = {i: len(v) for i, v in splits.items()}
@@ -280,6 +324,7 @@ def run_on_ray(
                     for k in ("done", "generated_tokens", "infra_errors")
                 ]
                 prog.update(*totals)
+                _check_guard(guard, settings, n, [*last.values(), *base.values()])
     finally:
         for a in actors.values():
             try:
@@ -291,4 +336,5 @@ def run_on_ray(
             ray.kill(a)
         if started:
             ray.shutdown()
+    report.wall_s = time.perf_counter() - t0
     return report, failures

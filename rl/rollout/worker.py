@@ -178,9 +178,18 @@ class WorkerReport:
     rewards: RewardMetrics = field(default_factory=RewardMetrics)  # per-component means, reward errors
     finish_reasons: dict[str, int] = field(default_factory=dict)
     infra_examples: list[str] = field(default_factory=list)
+    episodes_by_env: dict[str, int] = field(default_factory=dict)
+    infra_by_env: dict[str, int] = field(default_factory=dict)  # infra errors per env id (rl.rollout.health)
+    infra_by_source: dict[str, int] = field(default_factory=dict)  # "env" | "sandbox" | "engine"
     workers: int = 1
 
     def add(self, t: Trajectory) -> None:
+        env_id = str(t.metadata.get("env_id", "?"))
+        self.episodes_by_env[env_id] = self.episodes_by_env.get(env_id, 0) + 1
+        if t.infra_error:
+            source = str(t.metadata.get("infra_source") or "unknown")
+            self.infra_by_env[env_id] = self.infra_by_env.get(env_id, 0) + 1
+            self.infra_by_source[source] = self.infra_by_source.get(source, 0) + 1
         self.episodes += 1
         self.tokens += t.n_tokens
         self.generated_tokens += t.n_generated
@@ -331,6 +340,7 @@ class RolloutWorker:
             traj = _empty_failed(
                 f"env construction: {type(e).__name__}: {e}", seed, meta, s.env_id, self.engine.weight_version
             )
+            traj.metadata["infra_source"] = "env"
         else:
             traj = await run_episode(self.engine, env, self.codec, s.episode, seed=seed, metadata=meta)
         if self._specs:
@@ -387,6 +397,9 @@ class RolloutWorker:
             "generated_tokens": r.generated_tokens,
             "infra_errors": r.infra_errors,
             "tool_errors": r.tool_errors,
+            "infra_by_env": dict(r.infra_by_env),
+            "infra_by_source": dict(r.infra_by_source),
+            "infra_examples": list(r.infra_examples),
         }
 
     async def update_weights(self, state_dict: dict, version: int) -> None:
