@@ -348,7 +348,14 @@ class RolloutWorker:
 
             compose(traj, self._specs)
         if self.store is not None:
-            await asyncio.to_thread(self.store.append, traj)
+            stored = asyncio.ensure_future(asyncio.to_thread(self.store.append, traj))
+            try:
+                await asyncio.shield(stored)
+            except asyncio.CancelledError:  # the write runs on in its thread: count it if it lands
+                await asyncio.wait([stored])
+                if not stored.cancelled() and stored.exception() is None:
+                    self._report.add(traj)
+                raise
         self._report.add(traj)
         return traj
 
