@@ -100,8 +100,9 @@ def digest(t: Trajectory) -> str:
     h = hashlib.sha256()
     for a in (t.tokens, t.loss_mask, t.rollout_logprobs):
         h.update(a.tobytes())
-    fields = [t.metadata, [s.to_dict() for s in t.step_infos], t.rewards, t.turn_rewards, [vars(s) for s in t.turns], t.outcome,
-              t.terminated, t.truncated, t.infra_error, t.reward_error]  # fmt: skip
+    fields = [t.metadata, [s.to_dict() for s in t.step_infos], t.rewards, t.turn_rewards,
+              [vars(s) for s in t.turns], t.outcome, t.terminated, t.truncated, t.infra_error,
+              t.reward_error]  # fmt: skip
     h.update(json.dumps(fields, sort_keys=True).encode())
     if t.routed_experts is not None:
         h.update(t.routed_experts.tobytes())
