@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rl.trajectory import Trajectory, TrajectoryStore, TurnSpan
+from rl.trajectory import SCHEMA_VERSION, Trajectory, TrajectoryStore, TurnSpan
 
 VOCAB, N_MOE, TOPK, N_EXPERTS = 160_000, 7, 2, 896
 
@@ -124,7 +124,9 @@ def m_savez():
                 f"{i}_lp": t.rollout_logprobs,
                 f"{i}_re": t.routed_experts,
                 f"{i}_turns": np.array([[s.start, s.end] for s in t.turns]),
-                f"{i}_json": np.frombuffer(json.dumps([t.step_infos, t.metadata]).encode(), np.uint8),
+                f"{i}_json": np.frombuffer(
+                    json.dumps([[s.to_dict() for s in t.step_infos], t.metadata]).encode(), np.uint8
+                ),
             }
         _fsync_write(d / "x.npz", lambda f: np.savez(f, **arrays))
         return (d / "x.npz").stat().st_size
@@ -206,7 +208,8 @@ def main() -> None:
         "batch": [synth(4096, 4, seed=i) for i in range(256)],
     }
     results = {
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+        "schema_version": SCHEMA_VERSION,  # "2": every record batch CRC-32-checked and validated on read
         "payload_bytes_per_token": 4 + 1 + 4 + 2 * N_MOE * TOPK,
         "note": "synthetic data: uniform random expert ids and logprobs barely compress; Zipf token ids do",
         "cases": {},

@@ -4,8 +4,9 @@
     tools: calc(expression) -> value, answer(value) -> ends the episode (success 1.0 / 0.0)
 
 Sub-goals are the intermediate results `step1..stepN` (stepN is the answer): one is achieved when a
-calc result (or a correct answer) equals it, earliest unachieved step first. `calc` runs
-`envs/sandbox_scripts/calc.py` with `python3` in the sandbox: it walks the expression's AST and
+calc result (or a correct answer) equals it, earliest unachieved step first. Both are decided on the host:
+the calc result for crediting is the expression's value computed by the env itself, not the sandbox output.
+`calc` runs `envs/sandbox_scripts/calc.py` with `python3` in the sandbox: it walks the expression's AST and
 allows only numbers and arithmetic operators, so nothing the model writes is run as code. With
 `use_sandbox=False` the same evaluator runs in-process (for Docker-free smoke runs and SFT data).
 """
@@ -86,9 +87,11 @@ class ArithEnv(GeneratedTaskEnv):
             text = res.stdout.strip()
             if res.exit_code != 0:
                 raise ToolError(text.removeprefix("error: ") or f"calc failed: {res.stderr.strip()[-300:]}")
+        # Sub-goal credit is decided here, from the expression's value computed by this process, never from
+        # the sandbox's output (docs/envs.md, "Verifying safely").
         try:
-            self._credit(float(text))
-        except ValueError:
+            self._credit(float(calc_script.evaluate(expression)))
+        except (ValueError, ZeroDivisionError, OverflowError, TypeError, RecursionError):
             pass
         return text
 

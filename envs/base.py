@@ -12,11 +12,16 @@ Episode:
 
 Each step parses the turn's tool calls (`envs.tool_call`), validates each call against its `@tool`
 schema (`envs.tools`), runs it, and returns one `{"role": "tool", "content": ...}` message per
-call. Malformed JSON, an unknown tool, bad arguments and a tool that raises all become an
-`error: ...` tool message the model can read plus an entry in `info["tool_errors"]`; none raises.
+call. Malformed JSON, an unknown tool, bad arguments, a tool that raises and more than
+`max_tool_calls_per_turn` calls all become an `error: ...` tool message the model can read plus an
+entry in `info["tool_errors"]`; none raises. Parsing, dispatch and the observation are total
+functions of the model's text: error messages quote it through `envs.tool_call.echo` (truncated,
+escaped) and every observation is free of lone surrogates, so no turn can make the step (or the
+tokenizer after it) fail. Only the env's own code, the sandbox or the engine can cause an infra error.
 A turn without any tool call gets `on_no_tool_call(text)` (default: a user nudge restating the format).
 
-Step info (every step; the `step_infos` of `rl.trajectory.Trajectory`):
+Step info (every step; built as an `envs.trajectory.StepInfo`, returned as its dict per gymnasium, and
+stored as the `step_infos` of `envs.trajectory.Trajectory`):
     tool_calls   list[{"name", "arguments"}]  every call whose JSON parsed (valid or not)
     tool_results list[str]  one per tool_calls entry, same order: the tool's output, or its error text
     tool_errors  list[str]  every problem this turn (parse errors included), without the "error: " prefix
@@ -50,11 +55,13 @@ from typing import Any, ClassVar, Protocol
 import gymnasium
 
 from envs.spaces import ChatMessages, ChatText
-from envs.tool_call import EXPECTED_FORMAT, ToolCallError, parse_tool_calls
+from envs.tool_call import EXPECTED_FORMAT, ToolCallError, echo, parse_tool_calls, without_surrogates
 from envs.tools import ToolArgumentError, ToolDefinitionError, ToolError, ToolSpec
+from envs.trajectory import StepInfo
 from sandbox.errors import SandboxError
 
 Message = dict[str, str]
+MAX_ERROR_CHARS = 1000  # an error observation (which may quote the model) is cut at this length
 
 
 class TaskLike(Protocol):
@@ -80,6 +87,7 @@ class ToolEnv(gymnasium.Env):
     env_id: str = "tool-env"
     uses_sandbox: bool = False  # a subclass (or an instance, before reset) may switch it on
     default_max_turns: ClassVar[int] = 10
+    max_tool_calls_per_turn: ClassVar[int] = 32  # calls beyond this in one turn are not run (one error)
     instructions: ClassVar[str] = "You solve the task by calling tools."
     #: filled by __init_subclass__: tool name -> spec, in declaration order (base classes first)
     _tool_specs: ClassVar[dict[str, ToolSpec]] = {}
@@ -113,6 +121,8 @@ class ToolEnv(gymnasium.Env):
         self.max_turns = int(max_turns if max_turns is not None else self.default_max_turns)
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        for spec in self._tool_specs.values():
+            spec.params  # noqa: B018  builds each tool's JSON schema now: a docstring problem fails here
         self.observation_space = ChatMessages()
         self.action_space = ChatText()
         self.tools_in_prompt = tools_in_prompt
@@ -283,35 +293,45 @@ class ToolEnv(gymnasium.Env):
             raise TypeError(f"step() takes the model's text for one turn (str), got {type(text).__name__}")
         self._turn += 1
         self._new_subgoals = []
-        info: dict[str, Any] = {
-            "tool_calls": [], "tool_results": [], "tool_errors": [], "subgoals": [],
-            "env_reward": 0.0, "infra_error": None, "turn": self._turn, "no_tool_call": False,
-        }  # fmt: skip
+        info = StepInfo(turn=self._turn)
         obs: list[Message] = []
 
         def error(message: str, call_result: bool) -> None:
-            info["tool_errors"].append(message)
+            message = echo(message, MAX_ERROR_CHARS)
+            info.tool_errors.append(message)
             if call_result:
-                info["tool_results"].append(f"error: {message}")
+                info.tool_results.append(f"error: {message}")
             obs.append({"role": "tool", "content": f"error: {message}"})
 
         items = parse_tool_calls(text)
         if not items:
-            info["no_tool_call"] = True
+            info.no_tool_call = True
             obs.extend(self.on_no_tool_call(text))
+        if len(items) > self.max_tool_calls_per_turn:
+            error(
+                f"{len(items)} tool calls in one turn; only the first {self.max_tool_calls_per_turn} "
+                "are run. Make fewer calls per turn.",
+                call_result=False,
+            )
+            items = items[: self.max_tool_calls_per_turn]
         for item in items:
             if self._finished is not None:
                 break  # an earlier call this turn ended the episode; the rest are not run
             if isinstance(item, ToolCallError):
                 error(item.message, call_result=False)
                 continue
-            info["tool_calls"].append(item.to_dict())
             spec = self.tools.get(item.name)
             if spec is None:
-                close = difflib.get_close_matches(item.name, list(self.tools), n=1)
+                info.tool_calls.append({"name": echo(item.name), "arguments": item.arguments})
+                short = len(item.name) < 64  # a hint for plausible typos only (difflib is quadratic)
+                close = difflib.get_close_matches(item.name, list(self.tools), n=1) if short else []
                 hint = f" Did you mean '{close[0]}'?" if close else ""
-                error(f"unknown tool '{item.name}'.{hint} Available tools: {', '.join(self.tools)}", True)
+                error(
+                    f"unknown tool {echo(item.name, 100)!r}.{hint} Available tools: {', '.join(self.tools)}",
+                    True,
+                )
                 continue
+            info.tool_calls.append(item.to_dict())
             try:
                 args = spec.validate(item.arguments)
             except ToolArgumentError as err:
@@ -321,29 +341,29 @@ class ToolEnv(gymnasium.Env):
                 result = await self._invoke(spec, args)
             except Exception as err:
                 if isinstance(err, SandboxError):
-                    info["infra_error"] = f"{type(err).__name__}: {err}"
-                    info["tool_results"].append(f"error: infrastructure failure: {info['infra_error']}")
+                    info.infra_error = f"{type(err).__name__}: {err}"
+                    info.tool_results.append(f"error: infrastructure failure: {info.infra_error}")
                     break
                 if isinstance(err, ToolError):
                     error(str(err), True)
                 else:
                     error(f"tool '{spec.name}' raised {type(err).__name__}: {err}", True)
                 continue
-            content = "" if result is None else str(result)
-            info["tool_results"].append(content)
+            content = without_surrogates("" if result is None else str(result))
+            info.tool_results.append(content)
             obs.append({"role": "tool", "content": content})
 
-        info["subgoals"] = list(self._new_subgoals)
+        info.subgoals = list(self._new_subgoals)
         reward, terminated = 0.0, False
-        if info["infra_error"] is not None:
+        if info.infra_error is not None:
             terminated = True
         elif self._finished is not None:
             terminated, reward = True, self._finished
-            info["success"] = self._finished
-        info["env_reward"] = reward
+            info.success = self._finished
+        info.env_reward = reward
         truncated = not terminated and self._turn >= self.max_turns
         self._over = terminated or truncated
-        return obs, reward, terminated, truncated, info
+        return obs, reward, terminated, truncated, info.to_dict()
 
     async def _invoke(self, spec: ToolSpec, args: dict[str, Any]) -> Any:
         bound = spec.fn.__get__(self, type(self))

@@ -3,26 +3,30 @@
     env = envs.make("code-repair", difficulty=1)    # 2 injected bugs
     tools: read_file(path), write_file(path, content), run_tests(), submit()
 
-The module and its tests are written to the sandbox's /work at reset. `run_tests` runs
-`envs/sandbox_scripts/run_tests.py` with python3 (no pytest in the image); the tests are fed from
-the env on stdin, so only the module under repair matters (and only it may be written). Each test
-that was failing and passes for the first time is a sub-goal `test:<name>`. The outcome is all
-tests passing: `run_tests` ends the episode with success 1.0 as soon as every test passes
-(`auto_finish=True`, the default), and `submit()` ends it with 1.0 if all pass, else 0.0.
+The module and its tests are written to the sandbox's /work at reset; the test file is the spec the agent
+reads. Tests are decided by trusted verification (envs/observations.py): every `run_tests` draws fresh
+inputs for each test (`envs.tasks.code_repair.draw_checks`), the sandbox runs the agent's module on them
+with `envs/sandbox_scripts/observe.py` and reports the values it observed, and the env compares them here
+with the values of the correct module. Nothing printed, exited or patched in the sandbox can pass a test;
+only computing the right values can. Each test that was failing and passes for the first time is a sub-goal
+`test:<name>`. The outcome is all tests passing: `run_tests` ends the episode with success 1.0 as soon as
+every test passes (`auto_finish=True`, the default), and `submit()` ends it with 1.0 if all pass, else 0.0.
 """
 
 from __future__ import annotations
 
-import secrets
+import json
 from typing import Any
 
 from envs.generated_task_env import GeneratedTaskEnv
+from envs.observations import parse_observations, same, show
 from envs.sandbox_scripts import script_source
 from envs.tasks import code_repair as code_repair_tasks
 from envs.tools import ToolError, tool
 
 WORKDIR = "/work"
 MAX_FILE_CHARS = 100_000
+MAX_READ_BYTES = 4 * MAX_FILE_CHARS  # read_file refuses larger files (e.g. a symlink to /dev/zero)
 
 
 class CodeRepairEnv(GeneratedTaskEnv):
@@ -58,10 +62,12 @@ class CodeRepairEnv(GeneratedTaskEnv):
             tools_in_prompt=tools_in_prompt,
         )
         self.auto_finish, self.test_timeout_s, self.run_timeout_s = auto_finish, test_timeout_s, run_timeout_s
-        self._runner = script_source("run_tests")
+        self._runner = script_source("observe")
+        self._runs = 0
 
     async def setup(self) -> None:
         task: code_repair_tasks.CodeRepairTask = self.task
+        self._runs = 0
         await self.sandbox.awrite_file(f"{WORKDIR}/{task.module_file}", task.buggy_source.encode())
         await self.sandbox.awrite_file(f"{WORKDIR}/{task.test_file}", task.template.tests.encode())
 
@@ -73,32 +79,23 @@ class CodeRepairEnv(GeneratedTaskEnv):
         return name
 
     async def run_suite(self) -> tuple[dict[str, bool], str]:
-        """Run the tests in the sandbox: ({test: passed}, the report shown to the agent)."""
+        """Run this run's checks in the sandbox, decide here: ({test: passed}, the report for the agent)."""
         task: code_repair_tasks.CodeRepairTask = self.task
-        nonce = secrets.token_hex(8)
-        names = task.template.test_names
-        cmd = ["python3", "-c", self._runner, WORKDIR, task.test_file, str(self.test_timeout_s), *names]
-        res = await self.sandbox.aexec(
-            cmd, timeout_s=self.run_timeout_s, stdin=f"{nonce}\n{task.template.tests}".encode()
-        )
-        results: dict[str, bool] = {}
-        report: list[str] = []
-        other: list[str] = []
-        for line in res.stdout.splitlines():
-            if line.startswith(nonce + " "):
-                body = line[len(nonce) + 1 :]
-                kind, _, rest = body.partition(" ")
-                if kind in ("PASS", "FAIL"):
-                    results[rest.split(":", 1)[0]] = kind == "PASS"
-                report.append(body)
-            elif line.strip():
-                other.append(line)
-        if res.timed_out or not results:
-            why = f"timed out after {self.run_timeout_s:g} s" if res.timed_out else "crashed"
-            tail = (res.stderr.strip() or "\n".join(other))[-500:]
-            return {n: False for n in names}, f"test run {why}; all tests count as failed.\n{tail}".strip()
+        checks = code_repair_tasks.draw_checks(task, self._runs)
+        self._runs += 1
+        cmd = ["python3", "-c", self._runner, WORKDIR, task.template.name, str(self.test_timeout_s)]
+        payload = json.dumps([{"id": c.id, "code": c.code} for c in checks]).encode()
+        res = await self.sandbox.aexec(cmd, timeout_s=self.run_timeout_s, stdin=payload)
+        results, why, other = decide(checks, res.stdout)
+        passed = sum(results.values())
+        report = [f"PASS {n}" if results[n] else f"FAIL {n}: {why[n]}" for n in task.template.test_names]
+        report.append(f"SUMMARY {passed} passed, {len(results) - passed} failed")
+        if res.timed_out:
+            report.append(f"the test run timed out after {self.run_timeout_s:g} s")
         if other:
             report.append("output:\n" + "\n".join(other)[-1000:])
+        if res.stderr.strip():
+            report.append("stderr:\n" + res.stderr.strip()[-500:])
         return results, "\n".join(report)
 
     def _score(self, results: dict[str, bool]) -> bool:
@@ -114,7 +111,12 @@ class CodeRepairEnv(GeneratedTaskEnv):
         Args:
             path: file name, e.g. "stats.py".
         """
-        data = await self.sandbox.aread_file(f"{WORKDIR}/{self._name(path)}")
+        try:
+            data = await self.sandbox.aread_file(f"{WORKDIR}/{self._name(path)}", max_bytes=MAX_READ_BYTES)
+        except FileNotFoundError:
+            raise ToolError(f"{path!r} does not exist (the module's code may have deleted it)") from None
+        except OSError as err:
+            raise ToolError(str(err)) from None
         return data.decode("utf-8", errors="replace")
 
     @tool
@@ -148,3 +150,30 @@ class CodeRepairEnv(GeneratedTaskEnv):
         ok = self._score(results)
         self.finish(1.0 if ok else 0.0)
         return report
+
+
+def decide(
+    checks: list[code_repair_tasks.Check], stdout: str
+) -> tuple[dict[str, bool], dict[str, str], list[str]]:
+    """The verdict, on the host: ({test: passed}, {failed test: why}, other output lines) from the
+    observations the sandbox printed. A test passes when every one of its checks observed its expected
+    trace; a missing or malformed result fails the check."""
+    observed, other = parse_observations(stdout, {c.id for c in checks})
+    results: dict[str, bool] = {}
+    why: dict[str, str] = {}
+    for c in checks:
+        got = observed.get(c.id)
+        ok = got is not None and same(got["trace"], c.expected)
+        if not ok and c.test not in why:
+            why[c.test] = _failure(c, got)
+        results[c.test] = results.get(c.test, True) and ok
+    return results, why, other
+
+
+def _failure(check: code_repair_tasks.Check, got: dict | None) -> str:
+    """Why a check failed, for the agent: the call, what came back, what was expected (ASCII, bounded)."""
+    code = " ".join(check.code.split())[:200]
+    if got is None:
+        return f"`{code}` reported no result (the run crashed, timed out or printed no result line)"
+    note = f" ({got['note'][:200]})" if got["note"] else ""
+    return f"`{code}` observed {show(got['trace'])}, expected {show(check.expected)}{note}"

@@ -20,7 +20,9 @@ from typing import Any
 
 from envs.generated_task_env import GeneratedTaskEnv
 from envs.sandbox_scripts import script_source
+from envs.sandbox_scripts.docs import MAX_PATTERN as MAX_PATTERN_CHARS
 from envs.tasks import long_docs as long_docs_tasks
+from envs.tool_call import echo
 from envs.tools import ToolError, tool
 
 DOCS_DIR = "/work/docs"
@@ -119,8 +121,8 @@ class LongDocsEnv(GeneratedTaskEnv):
             name: document name from list_docs, e.g. "doc_000.txt".
             page: page number, starting at 1.
         """
-        if "/" in name or name.startswith("."):
-            raise ToolError(f"bad document name {name!r}: use a name from list_docs, e.g. doc_000.txt")
+        if "/" in name or name.startswith(".") or len(name) > 200:
+            raise ToolError(f"bad document name {echo(name, 60)!r}: use a name from list_docs (doc_000.txt)")
         return await self._docs("read", name, str(page), str(self.task.config.page_lines))
 
     @tool
@@ -131,6 +133,8 @@ class LongDocsEnv(GeneratedTaskEnv):
             pattern: Python regular expression, e.g. "jade compass".
             page: page of the matches, starting at 1.
         """
+        if len(pattern) > MAX_PATTERN_CHARS:  # checked here too: a huge argument never reaches the sandbox
+            raise ToolError(f"pattern is {len(pattern)} characters long; the limit is {MAX_PATTERN_CHARS}")
         return await self._docs("grep", pattern, str(page), str(self.task.config.grep_page_matches))
 
     @tool

@@ -7,15 +7,20 @@ A model turn is free text that may contain any number of tool calls:
 
 Each block's body must be one JSON object with a string `"name"` and an object `"arguments"`
 (`"arguments"` may be omitted for a tool without parameters). Text outside the blocks is allowed
-and ignored. Parsing never raises: each block becomes either a `ToolCall` or a `ToolCallError`
-whose `message` says exactly what was wrong and shows the expected format, so the environment can
-hand it back to the model as an observation.
+and ignored. Parsing is a total function of the text: it never raises, whatever the model wrote
+(nesting deep enough to exhaust the recursion limit, integers of any length, NaN/Infinity, lone
+surrogates, duplicate keys, megabytes of anything). Each block becomes either a `ToolCall` or a
+`ToolCallError` whose `message` says exactly what was wrong and shows the expected format, so the
+environment can hand it back to the model as an observation. Every piece of model text quoted in
+a message goes through `echo`: truncated, with lone surrogates and control characters escaped.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +30,7 @@ EXPECTED_FORMAT = f'{OPEN_TAG}{{"name": "<tool name>", "arguments": {{...}}}}{CL
 
 _TAG_RE = re.compile(r"<tool_call>|</tool_call>")
 _MAX_ECHO = 200  # characters of a bad block quoted back in an error message
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -52,20 +58,108 @@ class ToolCallError:
     raw: str = ""
 
 
+def echo(text: str, limit: int = _MAX_ECHO) -> str:
+    """Model (or agent-controlled) text made safe to quote back: at most `limit` characters (the rest is
+    counted), lone surrogates, control and format characters (NUL, ESC, bidi overrides, zero-width) shown
+    as escapes, so the quote is printable, unambiguous and always encodable by the tokenizer."""
+    if not isinstance(text, str):
+        text = repr(text)
+    more = len(text) - limit
+    text = text[:limit] if more > 0 else text
+    out = []
+    for ch in text:
+        if ch in "\n\t":
+            out.append(ch)
+        elif _SURROGATE_RE.match(ch) or unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn"):
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
+        else:
+            out.append(ch)
+    return "".join(out) + (f"... [{more} more characters]" if more > 0 else "")
+
+
+def without_surrogates(text: str) -> str:
+    """`text` with every lone surrogate replaced by U+FFFD: what any observation must be, since the
+    tokenizer (UTF-8) cannot encode them."""
+    return _SURROGATE_RE.sub("\ufffd", text)
+
+
 def _echo(text: str) -> str:
-    text = text.strip()
-    return text if len(text) <= _MAX_ECHO else text[:_MAX_ECHO] + "..."
+    return echo(text.strip())
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A parsed JSON value quoted back (its JSON text, echoed); total even for values nested near the
+    recursion limit."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):
+        text = f"<{type(value).__name__}>"
+    return echo(text, limit)
+
+
+def _no_dup_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"duplicate key {echo(dup, 40)!r}")
+    return dict(pairs)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {echo(text, 40)} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """The first string (key or value) holding a lone surrogate, anywhere in `obj` (iterative walk)."""
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            if _SURROGATE_RE.search(item):
+                return item
+        elif isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return None
+
+
+def loads_strict(body: str) -> Any:
+    """json.loads for model text: ValueError (with a short reason) for anything that is not plain, finite,
+    valid-Unicode JSON with unique keys. Never raises anything else."""
+    try:
+        obj = json.loads(
+            body, object_pairs_hook=_no_dup_keys, parse_float=_finite, parse_constant=_no_constant
+        )
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{err.msg} at line {err.lineno} column {err.colno}") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except ValueError as err:  # our hooks, or an integer longer than Python converts (4300 digits)
+        msg = str(err)
+        raise ValueError("an integer is too long" if "digits" in msg else msg) from None
+    bad = _lone_surrogate(obj)
+    if bad is not None:
+        raise ValueError(f"string {echo(bad, 40)!r} holds a lone surrogate (not valid Unicode)")
+    return obj
 
 
 def _parse_block(body: str, index: int) -> ToolCall | ToolCallError:
     where = f"tool call #{index}"
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as err:
+        obj = loads_strict(body)
+    except ValueError as err:
         return ToolCallError(
             "malformed_json",
-            f"{where} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}): "
-            f"{_echo(body)!r}. Expected format: {EXPECTED_FORMAT}",
+            f"{where} is not valid JSON ({err}): {_echo(body)!r}. Expected format: {EXPECTED_FORMAT}",
             body,
         )
     if not isinstance(obj, dict):
@@ -79,13 +173,13 @@ def _parse_block(body: str, index: int) -> ToolCall | ToolCallError:
     if extra:
         return ToolCallError(
             "unexpected_keys",
-            f'{where} has unexpected key(s) {extra}; only "name" and "arguments" are allowed. '
+            f'{where} has unexpected key(s) {echo(str(extra))}; only "name" and "arguments" are allowed. '
             f"Expected format: {EXPECTED_FORMAT}",
             body,
         )
     name = obj.get("name")
     if not isinstance(name, str) or not name:
-        got = 'no "name" key' if "name" not in obj else f'"name" = {json.dumps(name)}'
+        got = 'no "name" key' if "name" not in obj else f'"name" = {_show(name)}'
         return ToolCallError(
             "bad_name",
             f'{where} needs a non-empty string "name" (got {got}). Expected format: {EXPECTED_FORMAT}',
@@ -95,8 +189,8 @@ def _parse_block(body: str, index: int) -> ToolCall | ToolCallError:
     if not isinstance(arguments, dict):
         return ToolCallError(
             "bad_arguments",
-            f'{where} ({name}): "arguments" must be a JSON object mapping parameter names to values, '
-            f"got {type(arguments).__name__} {_echo(json.dumps(arguments))}. "
+            f'{where} ({echo(name, 60)}): "arguments" must be a JSON object mapping parameter names to '
+            f"values, got {type(arguments).__name__} {_show(arguments)}. "
             f"Expected format: {EXPECTED_FORMAT}",
             body,
         )

@@ -10,10 +10,15 @@
                 precision: digits after the decimal point.
             '''
 
-Supported parameter types: int, float, str, bool, list[T], dict[str, T], Optional[T] / T | None,
-Literal[...] (of str/int/bool). The description is the docstring text before its sections; each
-parameter's description comes from the Google-style `Args:` section. Tools may be plain functions
-(pure Python, run inline) or `async def` (anything that awaits the sandbox).
+The schema is `transformers.utils.get_json_schema` of the function (the format chat templates take):
+the description is the docstring text before its sections, each parameter's description comes from the
+Google-style `Args:` section (`name: description`; every parameter needs one: the model reads them),
+`Optional[T]` is `{"type": T, "nullable": true}`. Odyssey adds each optional parameter's `default` and
+`additionalProperties: false`. Supported parameter types (what `validate` checks): int, float, str,
+bool, list[T], dict[str, T], Optional[T] / T | None, Literal[...] (of str/int/bool). A bad signature
+(no type hint, *args, another type) fails when the class is defined; the schema itself is built on
+first use (`ToolEnv.__init__` forces it), so defining env classes does not import transformers.
+Tools may be plain functions (pure Python, run inline) or `async def` (anything that awaits the sandbox).
 
 `ToolSpec.validate(arguments)` checks a model's arguments against the signature (missing, unexpected,
 wrong type) and raises `ToolArgumentError` whose message names each problem and the expected call.
@@ -21,6 +26,7 @@ wrong type) and raises `ToolArgumentError` whose message names each problem and 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
@@ -29,11 +35,6 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Union
-
-_SECTION_RE = re.compile(
-    r"^\s*(Args|Arguments|Parameters|Returns|Return|Raises|Yields|Examples?|Notes?)\s*:\s*$"
-)
-_ARG_RE = re.compile(r"^\s*(\*{0,2}\w+)\s*(?:\(([^)]*)\))?\s*:\s*(.*)$")
 
 
 class ToolDefinitionError(TypeError):
@@ -65,36 +66,21 @@ def _type_name(value: Any) -> str:
     }.get(type(value), type(value).__name__)
 
 
-def _schema_for(tp: Any, where: str) -> dict[str, Any]:
-    """JSON schema for one annotation."""
+def _check_type(tp: Any, where: str) -> None:
+    """Raise ToolDefinitionError unless `validate` can check values of annotation `tp`."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is int:
-        return {"type": "integer"}
-    if tp is float:
-        return {"type": "number"}
-    if tp is str:
-        return {"type": "string"}
-    if tp is bool:
-        return {"type": "boolean"}
-    if tp is list or origin is list:
-        schema: dict[str, Any] = {"type": "array"}
-        if args:
-            schema["items"] = _schema_for(args[0], where)
-        return schema
-    if tp is dict or origin is dict:
-        schema = {"type": "object"}
-        if args:
-            if args[0] is not str:
-                raise ToolDefinitionError(
-                    f"{where}: dict keys must be str (JSON object keys), got {args[0]!r}"
-                )
-            schema["additionalProperties"] = _schema_for(args[1], where)
-        return schema
+    if tp in (int, float, str, bool, list, dict):
+        return
+    if origin is list:
+        return _check_type(args[0], where)
+    if origin is dict:
+        if args[0] is not str:
+            raise ToolDefinitionError(f"{where}: dict keys must be str (JSON object keys), got {args[0]!r}")
+        return _check_type(args[1], where)
     if origin is Literal:
         if not all(isinstance(a, (str, int, bool)) for a in args):
             raise ToolDefinitionError(f"{where}: Literal values must be str, int or bool, got {args!r}")
-        kinds = sorted({_type_name(a) for a in args})
-        return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(args)}
+        return None
     if origin is Union or origin is types.UnionType:
         members = [a for a in args if a is not type(None)]
         if len(members) == len(args) or len(members) != 1:
@@ -102,40 +88,27 @@ def _schema_for(tp: Any, where: str) -> dict[str, Any]:
                 f"{where}: only Optional[T] (T | None) unions are supported, got {tp!r}; "
                 "use one type, or Literal[...] for a fixed set of values"
             )
-        inner = _schema_for(members[0], where)
-        return {"anyOf": [inner, {"type": "null"}]}
+        return _check_type(members[0], where)
     raise ToolDefinitionError(
         f"{where}: unsupported type {tp!r}; use int, float, str, bool, list[T], dict[str, T], "
         "Optional[T] or Literal[...]"
     )
 
 
-def _parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
-    """(description, {param: description}) from a Google-style docstring."""
-    lines = inspect.cleandoc(doc or "").splitlines()
-    desc_lines: list[str] = []
-    params: dict[str, str] = {}
-    section: str | None = None
-    current: str | None = None
-    arg_indent: int | None = None
-    for line in lines:
-        m = _SECTION_RE.match(line)
-        if m:
-            section, current, arg_indent = m.group(1), None, None
-            continue
-        if section is None:
-            desc_lines.append(line)
-        elif section in ("Args", "Arguments", "Parameters") and line.strip():
-            indent = len(line) - len(line.lstrip())
-            am = _ARG_RE.match(line)
-            if am and (arg_indent is None or indent <= arg_indent):
-                arg_indent = indent
-                current = am.group(1).lstrip("*")
-                params[current] = am.group(3).strip()
-            elif current is not None:  # continuation line
-                params[current] = (params[current] + " " + line.strip()).strip()
-    description = " ".join(" ".join(desc_lines).split())
-    return description, {k: " ".join(v.split()) for k, v in params.items()}
+def _json_schema(fn: Callable[..., Any], tool_name: str) -> dict[str, Any]:
+    """`transformers.utils.get_json_schema(fn)["function"]`; its errors become ToolDefinitionError + fix."""
+    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+
+    try:
+        return get_json_schema(fn)["function"]
+    except DocstringParsingException as err:
+        raise ToolDefinitionError(
+            f"tool '{tool_name}': {err}. Give it a docstring: a description, then an `Args:` section with "
+            "one `name: description` line per parameter (the model reads them)"
+        ) from err
+    except TypeHintParsingException as err:
+        raise ToolDefinitionError(f"tool '{tool_name}': {err}") from err
 
 
 @dataclass(frozen=True)
@@ -149,13 +122,37 @@ class ToolParam:
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """A declared tool: its name, description, parameters and the underlying function."""
+    """A declared tool: its name, the underlying function, and (built on first use from
+    `transformers.utils.get_json_schema`) its description and parameters."""
 
     name: str
-    description: str
-    params: tuple[ToolParam, ...]
     fn: Callable[..., Any]
     is_async: bool
+    description_override: str | None = None
+
+    @functools.cached_property
+    def _function_schema(self) -> dict[str, Any]:
+        return _json_schema(self.fn, self.name)
+
+    @property
+    def description(self) -> str:
+        if self.description_override is not None:
+            return self.description_override
+        return " ".join((self._function_schema.get("description") or "").split())
+
+    @functools.cached_property
+    def params(self) -> tuple[ToolParam, ...]:
+        """The parameters in signature order; schemas from get_json_schema, plus `default` when optional."""
+        props = self._function_schema["parameters"]["properties"]
+        hints = typing.get_type_hints(self.fn)
+        out = []
+        for pname, p in _tool_parameters(self.fn):
+            required = p.default is inspect.Parameter.empty
+            schema = dict(props[pname])
+            if not required:
+                schema["default"] = p.default
+            out.append(ToolParam(pname, hints[pname], schema, required, None if required else p.default))
+        return tuple(out)
 
     @property
     def parameters_schema(self) -> dict[str, Any]:
@@ -215,8 +212,8 @@ class ToolSpec:
 
 
 def _schema_label(schema: dict[str, Any]) -> str:
-    if "anyOf" in schema:
-        return _schema_label(schema["anyOf"][0]) + " | null"
+    if schema.get("nullable"):
+        return _schema_label({k: v for k, v in schema.items() if k != "nullable"}) + " | null"
     if "enum" in schema:
         return " | ".join(json.dumps(v) for v in schema["enum"])
     kind = schema.get("type", "any")
@@ -226,11 +223,11 @@ def _schema_label(schema: dict[str, Any]) -> str:
 
 
 def _check(value: Any, schema: dict[str, Any], where: str) -> Any:
-    """`value` validated against the (restricted) schema produced by `_schema_for`."""
-    if "anyOf" in schema:
+    """`value` validated against a parameter schema of a `@tool` (types `_check_type` accepts)."""
+    if schema.get("nullable"):
         if value is None:
             return None
-        return _check(value, schema["anyOf"][0], where)
+        return _check(value, {k: v for k, v in schema.items() if k != "nullable"}, where)
     if "enum" in schema:
         # bool is an int subclass: 1 must not match True
         if not any(value == v and type(value) is type(v) for v in schema["enum"]):
@@ -280,21 +277,28 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:60] + "..."
 
 
+def _tool_parameters(fn: Callable[..., Any]) -> list[tuple[str, inspect.Parameter]]:
+    """The parameters the model fills: all but a leading `self` / `cls`."""
+    params = list(inspect.signature(fn).parameters.items())
+    if params and params[0][0] in ("self", "cls"):
+        params = params[1:]
+    return params
+
+
 def build_spec(fn: Callable[..., Any], name: str | None = None, description: str | None = None) -> ToolSpec:
-    """The `ToolSpec` of `fn`; a leading `self` parameter is skipped (tools are usually methods)."""
+    """The `ToolSpec` of `fn`; a leading `self` parameter is skipped (tools are usually methods).
+
+    Checks the signature now (ToolDefinitionError naming the parameter and the fix); the JSON schema is
+    built from it and the docstring on first use of the spec.
+    """
     tool_name = name or fn.__name__
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*", tool_name):
         raise ToolDefinitionError(f"tool name {tool_name!r} must be an identifier (letters, digits, _ or -)")
-    doc_desc, doc_params = _parse_docstring(fn.__doc__)
     try:
         hints = typing.get_type_hints(fn)
     except Exception as err:
         raise ToolDefinitionError(f"tool '{tool_name}': cannot resolve type hints ({err})") from err
-    params: list[ToolParam] = []
-    sig = inspect.signature(fn)
-    for i, (pname, p) in enumerate(sig.parameters.items()):
-        if i == 0 and pname in ("self", "cls"):
-            continue
+    for pname, p in _tool_parameters(fn):
         where = f"tool '{tool_name}' parameter '{pname}'"
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise ToolDefinitionError(
@@ -305,21 +309,8 @@ def build_spec(fn: Callable[..., Any], name: str | None = None, description: str
                 f"{where} has no type hint; annotate it "
                 "(int, float, str, bool, list[T], Optional[T], Literal[...])"
             )
-        schema = _schema_for(hints[pname], where)
-        if doc_params.get(pname):
-            schema = {**schema, "description": doc_params[pname]}
-        required = p.default is inspect.Parameter.empty
-        default = None if required else p.default
-        if not required:
-            schema = {**schema, "default": default}
-        params.append(ToolParam(pname, hints[pname], schema, required, default))
-    return ToolSpec(
-        name=tool_name,
-        description=description if description is not None else doc_desc,
-        params=tuple(params),
-        fn=fn,
-        is_async=inspect.iscoroutinefunction(fn),
-    )
+        _check_type(hints[pname], where)
+    return ToolSpec(tool_name, fn, inspect.iscoroutinefunction(fn), description)
 
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None):

@@ -106,17 +106,28 @@ class GatedMLA(nn.Module):
         v = self.v_b_proj(c).view(L, self.num_heads, self.head_dim)
         return causal_attention(q, k, v, prefix, self.scale)
 
+    def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
+        """q~_h = W_uk,h^T q_h: q [t, H, Dh] -> [t, H, R] (the query of MQA over the latent)."""
+        w_uk = self.k_b_proj.weight.view(self.num_heads, self.head_dim, self.kv_lora_rank)  # [H, Dh, R]
+        return torch.einsum("thd,hdr->thr", q, w_uk.to(q.dtype))
+
+    def expand_output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_h = W_uv,h o~_h: the latent attention output [t, H, R] -> [t, H, Dh]."""
+        w_uv = self.v_b_proj.weight.view(self.num_heads, self.head_dim, self.kv_lora_rank)
+        return torch.einsum("thr,hdr->thd", o_lat, w_uv.to(o_lat.dtype))
+
     def attend_absorbed(self, q: torch.Tensor, c: torch.Tensor, prefix: int) -> torch.Tensor:
         """MQA over the latent: q~ = W_uk^T q, o = W_uv softmax(q~ c^T / sqrt(Dh)) c.
 
         q [t, H, Dh], c [L, R] -> o [t, H, Dh].
         """
-        w_uk = self.k_b_proj.weight.view(self.num_heads, self.head_dim, self.kv_lora_rank)  # [H, Dh, R]
-        w_uv = self.v_b_proj.weight.view(self.num_heads, self.head_dim, self.kv_lora_rank)
-        q_lat = torch.einsum("thd,hdr->thr", q, w_uk.to(q.dtype))  # [t, H, R]
         kv = c.unsqueeze(1)  # [L, 1, R]: one shared head
-        o_lat = causal_attention(q_lat, kv, kv, prefix, self.scale)  # [t, H, R]
-        return torch.einsum("thr,hdr->thd", o_lat, w_uv.to(q.dtype))
+        o_lat = causal_attention(self.absorb_query(q), kv, kv, prefix, self.scale)  # [t, H, R]
+        return self.expand_output(o_lat)
+
+    def gated_output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """y = W_o [sigmoid(W_g x) * o]: x [T, D], o [T, H*Dh] -> [T, D]."""
+        return self.o_proj(torch.sigmoid(self.g_proj(x)) * o)
 
     def forward(
         self,
@@ -152,8 +163,7 @@ class GatedMLA(nn.Module):
                 present.append(c_n)
             outs.append(attend(q[s:e], c_n, prefix))
         o = torch.cat(outs).reshape(T, self.num_heads * self.head_dim)
-        y = self.o_proj(torch.sigmoid(self.g_proj(x)) * o)
-        return y, present
+        return self.gated_output(x, o), present
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -64,7 +64,14 @@ class OdysseyOutput(ModelOutput):
 
 
 class OdysseyDecoderLayer(nn.Module):
-    """One layer: AttnRes read -> RMSNorm -> mixer (KDA | MLA); AttnRes read -> RMSNorm -> FFN (dense|MoE)."""
+    """One layer: AttnRes read -> RMSNorm -> mixer (KDA | MLA); AttnRes read -> RMSNorm -> FFN (dense|MoE).
+
+    The mixer and MoE classes are class attributes so that another runtime (the vLLM plugin,
+    model/vllm_plugin) can swap in its cache-aware versions and keep this forward.
+    """
+
+    mixer_classes: dict[str, type[nn.Module]] = {"kda": KDAttention, "mla": GatedMLA}
+    moe_class: type[nn.Module] = LatentMoE
 
     def __init__(self, config: OdysseyConfig, layer_idx: int) -> None:
         super().__init__()
@@ -73,11 +80,10 @@ class OdysseyDecoderLayer(nn.Module):
         self.layer_type = config.layer_types[layer_idx]
         self.attn_res = BlockAttnRes(D, layer_idx, config.attn_res_block_size, eps)
         self.attn_norm = RMSNorm(D, eps)
-        mixer_cls = KDAttention if self.layer_type == "kda" else GatedMLA
-        self.mixer = mixer_cls(config, layer_idx)
+        self.mixer = self.mixer_classes[self.layer_type](config, layer_idx)
         self.ffn_norm = RMSNorm(D, eps)
         self.is_moe = layer_idx in config.moe_layer_indices
-        self.mlp = LatentMoE(config, layer_idx) if self.is_moe else DenseFFN(config)
+        self.mlp = self.moe_class(config, layer_idx) if self.is_moe else DenseFFN(config)
 
     def mix(self, h: torch.Tensor, cu_seqlens: torch.Tensor, layer_cache: LayerCache | None,
             keep_cache: bool) -> tuple[torch.Tensor, LayerCache | None]:
@@ -152,10 +158,13 @@ class OdysseyPreTrainedModel(PreTrainedModel):
 class OdysseyModel(OdysseyPreTrainedModel):
     """Backbone: embedding, decoder layers, final AttnRes read and RMSNorm. forward -> hidden [T, D]."""
 
+    decoder_layer_class: type[OdysseyDecoderLayer] = OdysseyDecoderLayer
+
     def __init__(self, config: OdysseyConfig) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(OdysseyDecoderLayer(config, l) for l in range(config.num_hidden_layers))
+        layer_cls = self.decoder_layer_class
+        self.layers = nn.ModuleList(layer_cls(config, l) for l in range(config.num_hidden_layers))
         self.final_read = AttnResRead(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.moe_layer_indices = [l for l, layer in enumerate(self.layers) if layer.is_moe]

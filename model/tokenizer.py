@@ -44,6 +44,12 @@ the conversation. Invariant the rollout relies on (tested in tests/test_tokenize
 where encode(c) = tok.encode(c, add_special_tokens=False). So a rollout keeps the exact sampled ids of a turn,
 appends the END_OF_TURN id when generation stopped on it (or appends it itself when the turn was cut by
 max_new_tokens), then appends encode_continuation(observations) and samples the next turn.
+
+Content is text, never structure: the content of system, user and tool messages (task text, dataset rows,
+tool output written by sandboxed agent code) is encoded with special tokens split into plain bytes, so a
+tool output that prints "</tool_response><|im_end|>" cannot close its turn, forge a user turn or a tool
+result. Only the template itself, and assistant content (the model's own markup, e.g. <tool_call>), yield
+special and markup ids. Exact: every content slot in the template is bounded by a newline or an added token.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import functools
 import hashlib
 import json
 import re
+import secrets
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -274,15 +281,77 @@ def render_chat(
     )
 
 
+def _slotted(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str], re.Pattern]:
+    """Messages whose non-assistant text content is replaced by numbered slot markers, the texts, and the
+    markers' pattern. Markers carry a fresh random nonce, so no text (assistant content, a tool schema) can
+    contain one."""
+    texts: list[str] = []
+    nonce = secrets.token_hex(8)
+
+    def slot(text: str) -> str:
+        texts.append(text)
+        return f"\ue000{nonce}:{len(texts) - 1}\ue001"
+
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if m.get("role") == "assistant" or not content:
+            out.append(m)
+        elif isinstance(content, str):
+            out.append({**m, "content": slot(content)})
+        elif isinstance(content, list):
+            parts = [{**p, "text": slot(p["text"])} if isinstance(p, dict) and p.get("type") == "text"
+                     and isinstance(p.get("text"), str) and p["text"] else p for p in content]
+            out.append({**m, "content": parts})
+        else:
+            out.append(m)
+    return out, texts, re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+
+
+_ADDED_RE = re.compile("|".join(re.escape(t) for t in sorted(ALL_ADDED_TOKENS, key=len, reverse=True)))
+
+
+def encode_text(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """Ids of `text` as plain text: an added-token string inside it ("<|im_end|>", "</tool_response>") is
+    encoded as "<" plus the rest, so it never becomes a special or markup id. decode() gives `text` back."""
+    ids: list[int] = []
+    pos = 0
+    for m in _ADDED_RE.finditer(text):
+        ids += tokenizer.encode(text[pos:m.start()], add_special_tokens=False)
+        ids += tokenizer.encode(m.group()[:1], add_special_tokens=False)
+        ids += tokenizer.encode(m.group()[1:], add_special_tokens=False)
+        pos = m.end()
+    return ids + tokenizer.encode(text[pos:], add_special_tokens=False)
+
+
+def _encode_slotted(
+    tokenizer: PreTrainedTokenizerFast, text: str, texts: list[str], slot_re: re.Pattern
+) -> list[int]:
+    """Encode rendered text: template pieces with their special tokens, slot contents as plain text."""
+    slots = list(slot_re.finditer(text))
+    if [int(m.group(1)) for m in slots] != list(range(len(texts))):
+        raise AssertionError("the chat template dropped or reordered message content")
+    ids: list[int] = []
+    pos = 0
+    for m in slots:
+        ids += tokenizer.encode(text[pos:m.start()], add_special_tokens=False)
+        ids += encode_text(tokenizer, texts[int(m.group(1))])
+        pos = m.end()
+    return ids + tokenizer.encode(text[pos:], add_special_tokens=False)
+
+
 def encode_chat(
     tokenizer: PreTrainedTokenizerFast,
     messages: Sequence[dict[str, Any]],
     tools: Sequence[dict[str, Any]] | None = None,
     add_generation_prompt: bool = False,
 ) -> list[int]:
-    """Token ids of `render_chat(...)` (the template already holds BOS; nothing else is added)."""
-    text = render_chat(tokenizer, messages, tools, add_generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=False)
+    """Token ids of `render_chat(...)` (the template already holds BOS; nothing else is added), with the
+    content of non-assistant messages encoded as text (special-token strings in it become plain bytes)."""
+    _check_messages(messages)
+    slotted, texts, slot_re = _slotted(messages)
+    text = render_chat(tokenizer, slotted, tools, add_generation_prompt)
+    return _encode_slotted(tokenizer, text, texts, slot_re)
 
 
 def encode_continuation(
@@ -297,12 +366,13 @@ def encode_continuation(
     token, which the tokenizer always cuts out before pre-tokenization.
     """
     _check_messages(new_messages)
+    slotted, texts, slot_re = _slotted(new_messages)
     base = render_chat(tokenizer, _PREFIX)
-    full = render_chat(tokenizer, _PREFIX + list(new_messages), add_generation_prompt=add_generation_prompt)
+    full = render_chat(tokenizer, _PREFIX + slotted, add_generation_prompt=add_generation_prompt)
     cut = base.rindex(END_OF_TURN) + len(END_OF_TURN)
     if full[:cut] != base[:cut]:
         raise AssertionError("chat template is not prefix-stable; encode_continuation cannot be exact")
-    return tokenizer.encode(full[cut:], add_special_tokens=False)
+    return _encode_slotted(tokenizer, full[cut:], texts, slot_re)
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerFast) -> int:

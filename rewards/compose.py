@@ -15,7 +15,8 @@ YAML (a list; see docs/rewards.md):
     traj.rewards["total"]      = sum_k weight_k * value_k
     traj.turn_rewards[i]       = sum_{k with per_turn} weight_k * per_turn_k[i]
 
-A reward function that raises (or returns garbage) sets traj.reward_error and leaves no rewards,
+A reward function that raises (SystemExit included) or returns garbage (a non-finite value, per-turn
+value or component included) sets traj.reward_error and leaves no rewards,
 so the trajectory is excluded (`is_trainable`) and counted (`RewardMetrics`), never silently zero.
 A trajectory with an infrastructure error is not scored at all.
 """
@@ -27,17 +28,17 @@ import inspect
 import logging
 import math
 import numbers
-import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
 
+from envs.trajectory import Trajectory
 from rewards.base import PARAM_CHECK_ATTR, normalize_result
 from rewards.registry import BUILTINS, resolve_reward
-from rl.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -56,29 +57,59 @@ class RewardSpec:
     fn: Callable = field(repr=False, compare=False)
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    """Shallow check of a YAML value against a simple annotation; unknown annotations pass."""
-    if hint is Any or hint is inspect.Parameter.empty:
-        return True
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, (bool, np.bool_))
-    if hint is int:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if origin in (dict, list, tuple) or hint in (dict, list, tuple):
-        return isinstance(value, origin or hint)
-    return True
+_STRICT = ConfigDict(strict=True, arbitrary_types_allowed=True)  # YAML "0.5" is not a float; 1 is
+
+
+def _params_model(fn: Callable, params: list[inspect.Parameter]) -> type[BaseModel]:
+    """A pydantic model of `fn`'s keyword params (after the trajectory): each annotation checked strictly
+    (no string-to-number coercion; ints are accepted for floats), defaults kept, unknown names forbidden
+    unless `fn` takes **kwargs. An annotation pydantic cannot check (a custom class without a schema)
+    accepts anything, as an unannotated param does."""
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:
+        hints = {}
+    fields: dict[str, Any] = {}
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        hint = hints.get(p.name, Any)
+        try:
+            TypeAdapter(hint, config=_STRICT)
+        except Exception:
+            hint = Any
+        fields[p.name] = (hint, ... if p.default is inspect.Parameter.empty else p.default)
+    config = _STRICT | {"extra": "allow" if any(p.kind == p.VAR_KEYWORD for p in params) else "forbid"}
+    return create_model(f"{getattr(fn, '__name__', 'reward')}_params", __config__=config, **fields)
+
+
+def _param_problems(name: str, sig: inspect.Signature, accepted: list[str], err: ValidationError) -> str:
+    """pydantic's errors as one message naming each param and the fix."""
+    unknown = [str(e["loc"][0]) for e in err.errors() if e["type"] == "extra_forbidden"]
+    missing = [str(e["loc"][0]) for e in err.errors() if e["type"] == "missing"]
+    out = []
+    if unknown or missing:
+        what = [f"unexpected param(s) {unknown}"] if unknown else []
+        what += [f"missing required param(s) {missing}"] if missing else []
+        close = {k: difflib.get_close_matches(k, accepted, n=1) for k in unknown}
+        hints = [f"{k!r} -> did you mean {c[0]!r}?" for k, c in close.items() if c]
+        out.append(
+            f"params do not fit {name}{sig}: {' and '.join(what)}. "
+            f"Accepted params: {', '.join(accepted) or '(none)'}" + (f". {'; '.join(hints)}" if hints else "")
+        )
+    for e in err.errors():
+        if e["type"] in ("extra_forbidden", "missing"):
+            continue
+        where, value = ".".join(str(x) for x in e["loc"]), e["input"]
+        ann = sig.parameters[str(e["loc"][0])].annotation
+        want = ann.__name__ if isinstance(ann, type) else str(ann)
+        out.append(f"param {where}={value!r} ({type(value).__name__}) does not match its annotation {want}")
+        out[-1] += f" ({e['msg']})"
+    return "; ".join(out)
 
 
 def _check_params(name: str, fn: Callable, params: dict[str, Any]) -> None:
+    """Check `params` against `fn`'s signature with pydantic, then the function's `@param_check` checker."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -90,31 +121,13 @@ def _check_params(name: str, fn: Callable, params: dict[str, Any]) -> None:
         )
     accepted = [p.name for p in ps[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     try:
-        bound = sig.bind(None, **params)
-    except TypeError as e:
-        unknown = [k for k in params if k not in sig.parameters]
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(k, accepted, n=1)
-            if close:
-                hints.append(f"{k!r} -> did you mean {close[0]!r}?")
-        raise ValueError(
-            f"params {sorted(params)} do not fit {name}{sig}: {e}. "
-            f"Accepted params: {', '.join(accepted) or '(none)'}" + (f". {'; '.join(hints)}" if hints else "")
-        ) from e
-    try:
-        hints_by_name = typing.get_type_hints(fn)
-    except Exception:
-        hints_by_name = {}
-    for k, v in params.items():
-        hint = hints_by_name.get(k, inspect.Parameter.empty)
-        if not _type_ok(v, hint):
-            want = getattr(hint, "__name__", None) if isinstance(hint, type) else str(hint)
-            raise ValueError(f"param {k}={v!r} ({type(v).__name__}) does not match its annotation {want}")
+        checked = _params_model(fn, ps[1:]).model_validate(params)
+    except ValidationError as e:
+        raise ValueError(_param_problems(name, sig, accepted, e)) from e
     checker = getattr(fn, PARAM_CHECK_ATTR, None)
     if checker is not None:
-        bound.apply_defaults()
-        checker(**dict(list(bound.arguments.items())[1:]))  # raises ValueError naming the bad value
+        values = {k: getattr(checked, k) for k in accepted} | dict(checked.model_extra or {})
+        checker(**values)  # raises ValueError naming the bad value
 
 
 def parse_reward_spec(spec: Any, index: int = 0) -> RewardSpec:
@@ -213,8 +226,8 @@ def infra_error_of(traj: Trajectory) -> str | None:
     if traj.infra_error:
         return traj.infra_error
     for info in traj.step_infos:
-        if info.get("infra_error"):
-            return str(info["infra_error"])
+        if info.infra_error:
+            return info.infra_error
     return None
 
 
@@ -238,7 +251,7 @@ def compose(traj: Trajectory, specs: Sequence[RewardSpec | dict]) -> Trajectory:
     for spec in specs:
         try:
             out = spec.fn(traj, **spec.params)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # a reward that calls sys.exit must not end the worker
             log.warning("reward %r (%s) raised", spec.key, spec.name, exc_info=True)
             errors.append(f"reward {spec.key!r} ({spec.name}) raised {type(e).__name__}: {e}")
             failed.append(spec.key)

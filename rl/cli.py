@@ -12,6 +12,8 @@ Each command group lives with the code it drives; this file only dispatches:
     odyssey eval CONFIG --checkpoint DIR      -> rl.train.eval.cli_main
 
 Imports are lazy so `odyssey --help` answers instantly and one broken group cannot break the others.
+Every run command (RUN_COMMANDS) first reaps the sandbox containers of dead owners on this host
+(`sandbox.reaper.reap_quietly`), so leases of a SIGKILLed run never outlive the next run.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+#: commands that start a run (and may lease sandboxes): each first reaps the leftovers of dead runs
+RUN_COMMANDS = ("rollout", "warmup", "train")
+
+
 def _usage() -> str:
     width = max(len(name) for name in COMMANDS)
     lines = ["usage: odyssey <command> [args...]", "", "commands:"]
@@ -57,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" Did you mean '{close[0]}'?" if close else ""
         print(f"odyssey: unknown command '{group}'.{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if group in RUN_COMMANDS:
+        from sandbox.reaper import reap_quietly
+
+        reap_quietly()
     module_name, func_name, _ = COMMANDS[group]
     func = getattr(importlib.import_module(module_name), func_name)
     return int(func(rest) or 0)

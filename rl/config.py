@@ -3,7 +3,8 @@
     cfg = load_config("configs/tiny.yaml", ["learner.lr=1e-5", "rollout.num_workers=4"])
     write_resolved(cfg, cfg.logging.run_dir)          # -> <run_dir>/config.yaml, reloadable as is
 
-Sections (docs/config.md lists every key): model, env, rewards, rollout, learner, orchestrator, logging.
+Sections (docs/config.md lists every key): model, env, rewards, rollout, learner, orchestrator, logging,
+warmup.
 
 Overrides are `dotted.key=value`; the value is parsed as a YAML scalar or flow collection (`1e-5`, `true`,
 `null`, `[1, 2]`, `{difficulty: 2}`), list items are addressed by index (`rewards.0.weight=0.5`).
@@ -20,9 +21,9 @@ Validation happens in two passes, each listing every problem it finds in one `Co
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
-import importlib
 import inspect
 import re
 import sys
@@ -53,7 +54,25 @@ class ConfigError(ValueError):
 
 
 class _Loader(yaml.SafeLoader):
-    pass
+    """SafeLoader with 1.2-style floats and no duplicate keys (YAML forbids them; PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    f"in the mapping starting at line {node.start_mark.line + 1}",
+                    node.start_mark,
+                    f"duplicate key {key!r} (first at line {first.start_mark.line + 1}); remove one of them",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -71,7 +90,7 @@ _Loader.add_implicit_resolver(
 
 
 def parse_yaml(text: str) -> Any:
-    """YAML with 1.2-style floats (`1e-5` is a float)."""
+    """YAML with 1.2-style floats (`1e-5` is a float); a duplicate key is an error."""
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
@@ -125,6 +144,8 @@ class RolloutSection(_Section):
     seed: int = 0
     sandbox_pool_size: int = Field(4, ge=0)  # warm sandboxes per worker; 0 = no shared pool
     sandbox_image: str | None = None  # None = sandbox.image.DEFAULT_IMAGE
+    # stop when more than this share of a batch's episodes end in infra errors (rl.rollout.health); 1 = never
+    max_infra_fraction: float = Field(0.5, gt=0.0, le=1.0)
 
 
 class LearnerSection(_Section):
@@ -224,6 +245,16 @@ class OrchestratorSection(_Section):
         return v
 
 
+class WarmupSection(_Section):
+    """The SFT warm-up on an env's oracle episodes (`odyssey warmup`, rl/warmup.py)."""
+
+    steps: int = Field(250, ge=1)  # optimizer steps
+    batch_size: int = Field(8, ge=1)  # oracle transcripts per step
+    lr: float = Field(1e-3, gt=0.0)  # peak AdamW lr (from 2e-3: format learnt faster, digit copying stalls)
+    warmup_steps: int = Field(10, ge=0)  # linear lr warm-up, then cosine decay to lr_min_ratio * lr
+    lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0)
+
+
 class LoggingSection(_Section):
     run_dir: str = "runs/default"
     log_every: int = Field(1, ge=1)  # learner steps between metric lines
@@ -244,12 +275,14 @@ class RunConfig(_Section):
     learner: LearnerSection = Field(default_factory=LearnerSection)
     orchestrator: OrchestratorSection = Field(default_factory=OrchestratorSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    warmup: WarmupSection = Field(default_factory=WarmupSection)
 
     @model_validator(mode="after")
     def _meaning(self) -> RunConfig:
         problems = (
             _budget_problems(self)
             + _orchestrator_problems(self.orchestrator)
+            + _init_from_problems(self.model)
             + _model_problems(self.model)
             + _reward_problems(self.rewards)
             + _env_problems(self.env)
@@ -322,6 +355,22 @@ def _critic_preset_problems(preset: str) -> list[str]:
     if preset in PRESETS:
         return []
     return [f"learner.critic_preset: unknown preset {preset!r} (choose from {', '.join(sorted(PRESETS))})"]
+
+
+def _init_from_problems(m: ModelSection) -> list[str]:
+    """model.init_from must be a saved checkpoint directory here and now (not a hub name found missing
+    30 s later inside a Ray worker)."""
+    if m.init_from is None:
+        return []
+    path = Path(m.init_from).expanduser()
+    fix = "give the directory a checkpoint was saved to (e.g. by `odyssey warmup --out DIR`), or null"
+    if not path.exists():
+        return [f"model.init_from: directory {m.init_from!r} does not exist; {fix}"]
+    if not path.is_dir():
+        return [f"model.init_from: {m.init_from!r} is a file, not a checkpoint directory; {fix}"]
+    if not (path / "config.json").is_file():
+        return [f"model.init_from: {m.init_from!r} holds no config.json: not a saved checkpoint; {fix}"]
+    return []
 
 
 def _closest(word: str, options: Sequence[str]) -> str | None:
@@ -436,15 +485,12 @@ def _env_problems(env: EnvSection) -> list[str]:
         return [f"env.id: env {env.id!r} is broken: {entry.error}"]
     factory = entry.factory
     if factory is None:
-        module, _, attr = entry.entry_point.partition(":")
+        from envs.dotted import DottedNameError, resolve_name
+
         try:
-            factory = importlib.import_module(module)
-            for part in attr.split("."):
-                factory = getattr(factory, part)
-        except Exception as e:
-            return [
-                f"env.id: env {env.id!r} cannot be imported from {entry.entry_point}: {type(e).__name__}: {e}"
-            ]
+            factory = resolve_name(entry.entry_point, what="entry point")
+        except DottedNameError as e:
+            return [f"env.id: env {env.id!r} cannot be imported from {entry.entry_point}: {e.problem}"]
     accepted = _accepted_kwargs(factory)
     if accepted is None:
         return []
@@ -598,12 +644,30 @@ def _index(node: list, part: str, parts: list[str], override: str) -> int:
     return int(part)
 
 
+def _defaults() -> dict[str, Any]:
+    """Every default of RunConfig as plain data (for overrides that address into a section not written)."""
+    return RunConfig.model_construct().model_dump(mode="json")
+
+
+def _default_at(path: list[str]) -> Any:
+    node: Any = _defaults()
+    for part in path:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return copy.deepcopy(node) if isinstance(node, dict | list) else None
+
+
 def _descend(node: Any, part: str, so_far: list[str], override: str) -> Any:
     if isinstance(node, list):
         return node[_index(node, part, so_far, override)]
     child = node.get(part)
-    if child is None:
-        child = node[part] = {}
+    if child is None:  # not in the file: start from the default (`learner.betas.0=0.5` sets one item)
+        default = _default_at(so_far)
+        child = node[part] = default if default is not None else {}
     if not isinstance(child, (dict, list)):
         raise ValueError(
             f"override {override!r}: {'.'.join(so_far)} is a value ({_show(child)}), not a section"
@@ -618,7 +682,15 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
         what = "is a directory, not a config file" if path.is_dir() else "no such config file"
         raise ConfigError([f"{path}: {what} (configs/ holds the shipped ones, e.g. configs/tiny.yaml)"])
     try:
-        data = parse_yaml(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            [f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start} cannot be decoded; "
+             "save the file as UTF-8"],
+            path,
+        ) from None
+    try:
+        data = parse_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -1,24 +1,17 @@
-"""The token-faithful record of one episode, and an append-only on-disk store for it.
+"""The Arrow codec of `Trajectory` and an append-only on-disk store for it.
 
-A `Trajectory` holds the exact token ids the policy saw and produced (prompt, assistant
-turns, tool observations, concatenated in order), with per-token training data:
-
-    tokens            int32   [T]                  every token of the episode, in order
-    loss_mask         uint8   [T]                  1 on model-generated tokens, else 0
-    rollout_logprobs  float32 [T]                  behaviour-policy log-prob, NaN where not generated
-    routed_experts    uint16  [T, n_moe_layers, k] top-k expert ids per MoE layer (routing replay), optional
-    token_versions    int32   [T]                  policy version that sampled each generated token, -1 on
-                                                   other tokens; optional (None in stores before schema 3)
-
-plus turn spans, one env-info dict per env step, rewards and metadata. Assistant turn i is
-the i-th span with role "assistant"; `step_infos[i]` (when it exists) is the env step that
-consumed that turn's text.
+The record types (`Trajectory`, `TurnSpan`, `StepInfo`) live in envs/trajectory.py, a numpy-only leaf
+that envs/, rewards/ and rl/ all import; they are re-exported here, so `from rl.trajectory import
+Trajectory, TurnSpan, TrajectoryStore` keeps working.
 
 `TrajectoryStore(dir)` appends batches of trajectories as Arrow IPC *file* format files, one
 file per `append` call. Each file is written to a hidden temporary name in the same directory,
 flushed, fsync'ed, and then renamed with `os.replace` (atomic on POSIX), so a reader sees either
-the whole file or nothing. A truncated or otherwise unreadable `.arrow` file is skipped with a
-warning, never read as a partial record. See docs/trajectory.md.
+the whole file or nothing. Store files are untrusted input when read: every record batch is
+validated (`RecordBatch.validate(full=True)`: offsets, lengths, UTF-8) before anything decodes it
+and checked against the CRC-32 of its content written with it (schema version 2), so a damaged
+file (truncated, overwritten, bit rot) is skipped as a whole with a warning naming it, never read
+as changed data and never able to crash the reader. See docs/trajectory.md.
 """
 
 from __future__ import annotations
@@ -28,8 +21,8 @@ import json
 import os
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from time import time_ns
 from typing import Any
@@ -37,232 +30,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-ROLES = ("prompt", "assistant", "observation")
-SCHEMA_VERSION = "3"
-#: schema versions this code reads: "1" lacks the token_versions column (read as None)
-READABLE_SCHEMA_VERSIONS = ("1", "3")
+from envs.trajectory import ROLES, StepInfo, Trajectory, TurnSpan
+
+SCHEMA_VERSION = "3"  # see _UPGRADES for what each version changed and how older ones are read
 _VERSION_KEY = b"odyssey.trajectory.schema_version"
-
-
-@dataclass
-class TurnSpan:
-    """Tokens `[start, end)` of one message of the conversation; role in ROLES."""
-
-    role: str
-    start: int
-    end: int
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(eq=False)
-class Trajectory:
-    """One episode. Arrays are validated and coerced to the documented dtypes on construction.
-
-    Shapes: tokens / loss_mask / rollout_logprobs [T]; routed_experts [T, n_moe_layers, k] or None;
-    token_versions [T] or None (a partial rollout that spans weight updates has several versions).
-    `turn_rewards` is empty until `rewards.compose` fills it (then len == number of assistant turns).
-    """
-
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    rollout_logprobs: np.ndarray
-    routed_experts: np.ndarray | None = None
-    turns: list[TurnSpan] = field(default_factory=list)
-    step_infos: list[dict] = field(default_factory=list)
-    outcome: float | None = None
-    terminated: bool = False
-    truncated: bool = False
-    infra_error: str | None = None
-    reward_error: str | None = None
-    rewards: dict[str, float] = field(default_factory=dict)
-    turn_rewards: list[float] = field(default_factory=list)
-    metadata: dict = field(default_factory=dict)
-    token_versions: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        self.tokens = _as_int_array("tokens", self.tokens, np.int32)
-        if self.tokens.ndim != 1:
-            raise ValueError(f"Trajectory.tokens must be 1-D [T], got shape {self.tokens.shape}")
-        T = self.tokens.shape[0]
-        self.loss_mask = _as_mask(self.loss_mask, T)
-        self.rollout_logprobs = _as_float_array("rollout_logprobs", self.rollout_logprobs, T)
-        if self.routed_experts is not None:
-            re = _as_int_array("routed_experts", self.routed_experts, np.uint16)
-            if re.ndim != 3 or re.shape[0] != T:
-                raise ValueError(
-                    f"Trajectory.routed_experts must have shape [T={T}, n_moe_layers, k], got {re.shape}; "
-                    "pass None when the engine did not record routing"
-                )
-            self.routed_experts = re
-        if self.token_versions is not None:
-            tv = _as_int_array("token_versions", self.token_versions, np.int32)
-            if tv.shape != (T,):
-                raise ValueError(f"Trajectory.token_versions must have shape [T={T}], got {tv.shape}")
-            self.token_versions = tv
-        self.turns = [_as_span(i, s) for i, s in enumerate(self.turns)]
-        _check_spans(self.turns, T)
-        _check_mask_in_assistant_spans(self.loss_mask, self.turns)
-        n_asst = self.n_assistant_turns
-        if not isinstance(self.step_infos, list) or not all(isinstance(d, dict) for d in self.step_infos):
-            raise TypeError("Trajectory.step_infos must be a list of dicts (one per env.step)")
-        if len(self.step_infos) > n_asst:
-            raise ValueError(
-                f"Trajectory has {len(self.step_infos)} step_infos but only {n_asst} assistant turns; "
-                "step_infos[i] belongs to assistant turn i, so there can be at most one per assistant turn"
-            )
-        if self.outcome is not None:
-            self.outcome = float(self.outcome)
-        if self.turn_rewards and len(self.turn_rewards) != n_asst:
-            raise ValueError(
-                f"Trajectory.turn_rewards has {len(self.turn_rewards)} entries, expected one per assistant "
-                f"turn ({n_asst}) or none"
-            )
-        self.turn_rewards = [float(x) for x in self.turn_rewards]
-        self.rewards = {str(k): float(v) for k, v in self.rewards.items()}
-        if not isinstance(self.metadata, dict):
-            raise TypeError(f"Trajectory.metadata must be a dict, got {type(self.metadata).__name__}")
-
-    # ---- views -------------------------------------------------------------------------------
-    @property
-    def n_tokens(self) -> int:
-        """T, the total number of tokens (prompt + generated + observations)."""
-        return int(self.tokens.shape[0])
-
-    @property
-    def n_generated(self) -> int:
-        """Number of model-generated tokens, sum(loss_mask)."""
-        return int(np.count_nonzero(self.loss_mask))
-
-    @property
-    def n_assistant_turns(self) -> int:
-        return sum(1 for s in self.turns if s.role == "assistant")
-
-    @property
-    def policy_version(self) -> int | None:
-        v = self.metadata.get("policy_version")
-        return None if v is None else int(v)
-
-    @property
-    def oldest_version(self) -> int | None:
-        """The oldest policy version among the generated tokens (token_versions; else
-        metadata["policy_version"], the version at the episode's start); None when unknown."""
-        if self.token_versions is not None:
-            gen = self.token_versions[self.loss_mask.astype(bool)]
-            gen = gen[gen >= 0]
-            if gen.size:
-                return int(gen.min())
-        return self.policy_version
-
-    def assistant_spans(self) -> list[TurnSpan]:
-        """The assistant turns, in order; index i matches step_infos[i] and turn_rewards[i]."""
-        return [s for s in self.turns if s.role == "assistant"]
-
-    def last_generated_index(self, span: TurnSpan | None = None) -> int | None:
-        """Index of the last token with loss_mask == 1 (within `span` if given), or None if there is none."""
-        lo, hi = (0, self.n_tokens) if span is None else (span.start, span.end)
-        nz = np.flatnonzero(self.loss_mask[lo:hi])
-        return None if nz.size == 0 else lo + int(nz[-1])
-
-    # ---- Arrow -------------------------------------------------------------------------------
-    def to_arrow(self) -> pa.RecordBatch:
-        """One-row Arrow RecordBatch in the store schema (see `trajectories_to_batch`)."""
-        return trajectories_to_batch([self])
-
-    @classmethod
-    def from_arrow(cls, batch: pa.RecordBatch, row: int = 0) -> Trajectory:
-        """Decode row `row` of a store-schema RecordBatch. Arrays are zero-copy read-only views."""
-        return _decode_row(batch, row)
-
-
-# ---- validation helpers -------------------------------------------------------------------------
-
-
-def _as_int_array(name: str, x: Any, dtype: type) -> np.ndarray:
-    a = np.asarray(x)
-    if a.dtype == dtype:
-        return a
-    if a.size == 0:
-        return a.astype(dtype)
-    if a.dtype.kind not in "iu":
-        raise TypeError(
-            f"Trajectory.{name} must hold integers ({np.dtype(dtype).name}), got dtype {a.dtype}; "
-            f"pass np.asarray(x, dtype=np.{np.dtype(dtype).name})"
-        )
-    info = np.iinfo(dtype)
-    lo, hi = int(a.min()), int(a.max())
-    if lo < info.min or hi > info.max:
-        raise ValueError(
-            f"Trajectory.{name} values must fit {np.dtype(dtype).name} [{info.min}, {info.max}], "
-            f"got range [{lo}, {hi}]"
-        )
-    return a.astype(dtype)
-
-
-def _as_mask(x: Any, T: int) -> np.ndarray:
-    a = np.asarray(x)
-    if a.shape != (T,):
-        raise ValueError(f"Trajectory.loss_mask must have shape [T={T}], got {a.shape}")
-    if a.dtype == np.bool_:
-        return a.astype(np.uint8)
-    a = _as_int_array("loss_mask", a, np.uint8)
-    if a.size and a.max() > 1:
-        raise ValueError("Trajectory.loss_mask must contain only 0 and 1 (1 = model-generated token)")
-    return a
-
-
-def _as_float_array(name: str, x: Any, T: int) -> np.ndarray:
-    a = np.asarray(x)
-    if a.shape != (T,):
-        raise ValueError(f"Trajectory.{name} must have shape [T={T}], got {a.shape}")
-    if a.dtype == np.float32:
-        return a
-    if a.size and a.dtype.kind != "f":
-        raise TypeError(f"Trajectory.{name} must be floating point (float32), got dtype {a.dtype}")
-    return a.astype(np.float32)
-
-
-def _as_span(i: int, s: Any) -> TurnSpan:
-    if isinstance(s, dict):
-        s = TurnSpan(**s)
-    if not isinstance(s, TurnSpan):
-        raise TypeError(f"Trajectory.turns[{i}] must be a TurnSpan, got {type(s).__name__}")
-    if s.role not in ROLES:
-        raise ValueError(f"Trajectory.turns[{i}].role is {s.role!r}; expected one of {ROLES}")
-    return TurnSpan(s.role, int(s.start), int(s.end))
-
-
-def _check_spans(turns: list[TurnSpan], T: int) -> None:
-    prev_end = 0
-    for i, s in enumerate(turns):
-        if not (0 <= s.start < s.end <= T):
-            raise ValueError(
-                f"Trajectory.turns[{i}] = {s} is empty or outside [0, T={T}); spans are [start, end) "
-                "token ranges with start < end"
-            )
-        if s.start < prev_end:
-            raise ValueError(
-                f"Trajectory.turns[{i}] = {s} overlaps or precedes the previous span (ends {prev_end})"
-            )
-        prev_end = s.end
-
-
-def _check_mask_in_assistant_spans(mask: np.ndarray, turns: list[TurnSpan]) -> None:
-    inside = np.zeros(mask.shape, dtype=bool)
-    for s in turns:
-        if s.role == "assistant":
-            inside[s.start : s.end] = True
-    bad = np.flatnonzero(mask.astype(bool) & ~inside)
-    if bad.size:
-        raise ValueError(
-            f"Trajectory.loss_mask is 1 at token {int(bad[0])} (and {bad.size - 1} more) outside every "
-            "assistant span; only model-generated tokens (inside assistant turns) may be trained on"
-        )
-
+_CRC_KEY = b"odyssey.trajectory.batch_crc32"  # JSON list: the CRC-32 of each record batch, in order
 
 # ---- Arrow schema ---------------------------------------------------------------------------------
 
+_JSON = pa.large_string()
 _SPAN_TYPE = pa.struct([("role", pa.string()), ("start", pa.int64()), ("end", pa.int64())])
 
 SCHEMA = pa.schema(
@@ -283,7 +59,7 @@ SCHEMA = pa.schema(
         ("turn_rewards", pa.list_(pa.float64())),
         ("policy_version", pa.int64()),  # copy of metadata["policy_version"] for cheap filtering
         ("metadata", pa.large_string()),  # JSON dict
-        ("token_versions", pa.large_list(pa.int32())),  # [T], null if absent (schema 3)
+        ("token_versions", pa.large_list(pa.int32())),  # [T] policy version per token, null if absent (3)
     ],
     metadata={_VERSION_KEY: SCHEMA_VERSION.encode()},
 )
@@ -352,7 +128,7 @@ def trajectories_to_batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
         _large_list(re, pa.uint16()),
         pa.array([None if a is None else list(a.shape[1:]) for a in re], type=pa.list_(pa.int32())),
         pa.array([[(s.role, s.start, s.end) for s in t.turns] for t in trajs], type=pa.list_(_SPAN_TYPE)),
-        pa.array([_dumps("step_infos", t.step_infos) for t in trajs], type=pa.large_string()),
+        pa.array([_dumps("step_infos", [i.to_dict() for i in t.step_infos]) for t in trajs], _JSON),
         pa.array([t.outcome for t in trajs], type=pa.float64()),
         pa.array([bool(t.terminated) for t in trajs], type=pa.bool_()),
         pa.array([bool(t.truncated) for t in trajs], type=pa.bool_()),
@@ -378,8 +154,8 @@ def _decode_rows(batch: pa.RecordBatch, rows: Sequence[int]) -> Iterator[Traject
         return
     c = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
     arrays = ("tokens", "loss_mask", "rollout_logprobs", "routed_experts", "token_versions")
-    flat = {k: _flat(c[k]) for k in arrays if k in c}  # token_versions is absent before schema 3
-    versions_null = c["token_versions"].is_null().to_pylist() if "token_versions" in c else None
+    flat = {k: _flat(c[k]) for k in arrays}
+    versions_null = c["token_versions"].is_null().to_pylist()
     py = {
         k: c[k].to_pylist()
         for k in c
@@ -407,17 +183,109 @@ def _decode_rows(batch: pa.RecordBatch, rows: Sequence[int]) -> Iterator[Traject
             rewards=dict(py["rewards"][r]),
             turn_rewards=py["turn_rewards"][r],
             metadata=json.loads(c["metadata"][r].as_py()),
-            token_versions=None if versions_null is None or versions_null[r] else arr("token_versions", r),
+            token_versions=None if versions_null[r] else arr("token_versions", r),
         )
 
 
-def _decode_row(batch: pa.RecordBatch, row: int) -> Trajectory:
+def trajectory_from_batch(batch: pa.RecordBatch, row: int = 0) -> Trajectory:
+    """Decode row `row` of a store-schema RecordBatch. Arrays are zero-copy read-only views."""
     return next(_decode_rows(batch, [row]))
 
 
 def trajectories_from_batch(batch: pa.RecordBatch) -> list[Trajectory]:
     """Inverse of `trajectories_to_batch`."""
     return list(_decode_rows(batch, range(batch.num_rows)))
+
+
+# ---- integrity: checksums, versions ------------------------------------------------------------------
+
+
+class CorruptStoreFile(Exception):
+    """A store file that must not be read (damaged, or not what its header says); the reader skips it."""
+
+
+class NewerStoreVersion(ValueError):
+    """A store file written by a newer Odyssey: raised, never skipped (that would silently lose data)."""
+
+
+def batch_crc32(batch: pa.RecordBatch) -> int:
+    """CRC-32 of a store-schema batch's content, column by column over exactly the logical data (the
+    numeric list columns and the JSON strings as raw buffers, the small columns through their Python
+    values). Equal for a batch and for what reading its file back gives. Only call it on a batch that
+    passed `validate(full=True)`: it reads the buffers the offsets point into."""
+    crc = 0
+    for name, col in zip(batch.schema.names, batch.columns):
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(np.asarray(col.is_null(), dtype=np.uint8).tobytes(), crc)
+        if pa.types.is_large_list(col.type):
+            offsets, values = _flat(col)
+            crc = zlib.crc32(np.ascontiguousarray(offsets).tobytes(), crc)
+            crc = zlib.crc32(memoryview(np.ascontiguousarray(values)).cast("B"), crc)
+        elif pa.types.is_large_string(col.type):
+            _, offsets_buf, data = col.buffers()
+            offsets = np.frombuffer(offsets_buf, dtype=np.int64, count=len(col) + 1, offset=8 * col.offset)
+            crc = zlib.crc32(offsets.tobytes(), crc)
+            if data is not None:
+                crc = zlib.crc32(memoryview(data)[int(offsets[0]) : int(offsets[-1])], crc)
+        else:
+            crc = zlib.crc32(json.dumps(col.to_pylist(), default=repr).encode(), crc)
+    return crc
+
+
+def _same_columns(a: pa.Schema, b: pa.Schema) -> bool:
+    return a.equals(b, check_metadata=False)
+
+
+_ADDED_IN = {"token_versions": 3}  # columns newer than version 1, and the version that added them
+
+
+def _schema_of(version: int) -> pa.Schema:
+    """The columns a file of schema `version` holds."""
+    return pa.schema([f for f in SCHEMA if _ADDED_IN.get(f.name, 1) <= version])
+
+
+# How each older schema version is read: a function from a validated batch of that version to one of the
+# next version, chained up to SCHEMA_VERSION. To add version N+1 (say a new column): write the batch
+# upgrade from N (append the column with the value old data implies), add it here under str(N), add the
+# column to SCHEMA, bump SCHEMA_VERSION; every older store stays readable through the chain.
+#   "1" -> "2": the same columns; version 2 files also carry a CRC-32 per record batch (_CRC_KEY).
+#   "2" -> "3": a `token_versions` column (the policy version of each generated token), null before.
+
+
+def _add_null_token_versions(batch: pa.RecordBatch) -> pa.RecordBatch:
+    column = pa.nulls(batch.num_rows, type=pa.large_list(pa.int32()))
+    return pa.RecordBatch.from_arrays([*batch.columns, column], schema=SCHEMA)
+
+
+_UPGRADES: dict[str, Callable[[pa.RecordBatch], pa.RecordBatch]] = {
+    "1": lambda batch: batch,
+    "2": _add_null_token_versions,
+}
+_CHECKSUMMED_FROM = 2  # files of this version and later must carry a CRC per record batch
+
+
+def _version_of(schema: pa.Schema) -> int:
+    """The file's schema version; CorruptStoreFile for garbage, ValueError for a version newer than this
+    code reads (a real newer file must not be silently dropped)."""
+    raw = (schema.metadata or {}).get(_VERSION_KEY)
+    try:
+        version = int(raw.decode("ascii")) if raw is not None else None
+    except (UnicodeDecodeError, ValueError):
+        version = None
+    if version is None or version < 1:
+        raise CorruptStoreFile(f"schema version {raw!r} is not a version number")
+    if version > int(SCHEMA_VERSION):
+        raise NewerStoreVersion(
+            f"trajectory schema version {version}, this code reads up to {SCHEMA_VERSION}; read the store "
+            "with the Odyssey version that wrote it (or a newer one)"
+        )
+    return version
+
+
+def _upgrade(batch: pa.RecordBatch, version: int) -> pa.RecordBatch:
+    for v in range(version, int(SCHEMA_VERSION)):
+        batch = _UPGRADES[str(v)](batch)
+    return batch
 
 
 # ---- store -------------------------------------------------------------------------------------
@@ -450,6 +318,7 @@ class TrajectoryStore:
         self.compression = compression
         self.fsync = fsync
         self._warned: set[str] = set()
+        self._versions: dict[tuple[str, int, int], list[int | None]] = {}  # verified file -> policy versions
 
     # ---- writing ----
     def append(self, trajs: Trajectory | Iterable[Trajectory], max_batch_tokens: int = 1 << 26) -> Path:
@@ -479,8 +348,10 @@ class TrajectoryStore:
 
     def _write_file(self, path: Path, batches: list[pa.RecordBatch]) -> None:
         options = pa.ipc.IpcWriteOptions(compression=self.compression)
+        crcs = json.dumps([batch_crc32(b) for b in batches]).encode()
+        schema = SCHEMA.with_metadata({**SCHEMA.metadata, _CRC_KEY: crcs})
         with open(path, "wb") as f:
-            with pa.ipc.new_file(f, SCHEMA, options=options) as writer:
+            with pa.ipc.new_file(f, schema, options=options) as writer:
                 for b in batches:
                     writer.write_batch(b)
             f.flush()
@@ -502,33 +373,44 @@ class TrajectoryStore:
                 out.append(p)
         return out
 
-    def _open(self, path: Path) -> pa.ipc.RecordBatchFileReader | None:
+    def load_file(self, path: str | os.PathLike) -> list[Trajectory] | None:
+        """Every trajectory of one store file, or None (with a RuntimeWarning naming the file) when the file
+        cannot be trusted: unreadable, truncated, a record batch that fails validation or its checksum,
+        unexpected columns, or rows that do not decode. Validation and checksums come before any decoding,
+        and a file is all or nothing: either all its rows are returned unchanged or none."""
+        path = Path(path)
         try:
             reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-        except (pa.ArrowInvalid, OSError) as e:
-            self._warn_once(
-                path, f"TrajectoryStore: skipping unreadable file {path.name} (truncated or corrupt): {e}"
-            )
+            version = _version_of(reader.schema)
+            crcs = None
+            if version >= _CHECKSUMMED_FROM:
+                crcs = json.loads((reader.schema.metadata or {}).get(_CRC_KEY, b"null"))
+                if not isinstance(crcs, list) or len(crcs) != reader.num_record_batches:
+                    raise CorruptStoreFile("its record batch checksums are missing or do not fit the batches")
+            batches = []
+            for i in range(reader.num_record_batches):
+                batch = reader.get_batch(i)
+                if not _same_columns(batch.schema, _schema_of(version)):
+                    raise CorruptStoreFile(f"record batch {i} has unexpected columns")
+                batch.validate(full=True)  # offsets, lengths, UTF-8: before anything reads the buffers
+                if crcs is not None and batch_crc32(batch) != crcs[i]:
+                    raise CorruptStoreFile(f"record batch {i} fails its checksum (the data changed on disk)")
+                batches.append(_upgrade(batch, version))
+            return [t for batch in batches for t in _decode_rows(batch, range(batch.num_rows))]
+        except (pa.ArrowException, OSError, CorruptStoreFile, ValueError, TypeError, KeyError, IndexError,
+                RecursionError) as e:  # fmt: skip
+            if isinstance(e, NewerStoreVersion):
+                raise
+            why = f"{type(e).__name__}: {e}"
+            self._warn_once(path, f"TrajectoryStore: skipping corrupt file {path.name}: {why}")
             return None
-        version = (reader.schema.metadata or {}).get(_VERSION_KEY)
-        if version not in {v.encode() for v in READABLE_SCHEMA_VERSIONS}:
-            raise ValueError(
-                f"{path}: trajectory schema version {version!r}, this code reads "
-                f"{', '.join(READABLE_SCHEMA_VERSIONS)}; read it with the Odyssey version that wrote it"
-            )
-        return reader
 
-    def _batches(self) -> Iterator[pa.RecordBatch]:
+    def _trajectories(self) -> Iterator[tuple[Path, list[Trajectory]]]:
         for path in self.files():
-            reader = self._open(path)
-            if reader is None:
-                continue
-            try:
-                batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-            except (pa.ArrowInvalid, OSError) as e:
-                self._warn_once(path, f"TrajectoryStore: skipping corrupt file {path.name}: {e}")
-                continue
-            yield from batches
+            trajs = self.load_file(path)
+            if trajs is not None:
+                self._versions[_file_key(path)] = [t.policy_version for t in trajs]
+                yield path, trajs
 
     def __iter__(self) -> Iterator[Trajectory]:
         return self.iter()
@@ -537,12 +419,15 @@ class TrajectoryStore:
         self, policy_version: int | None = None, min_policy_version: int | None = None
     ) -> Iterator[Trajectory]:
         """Yield stored trajectories in write order, optionally only those with
-        metadata["policy_version"] == policy_version and/or >= min_policy_version.
+        metadata["policy_version"] == policy_version and/or >= min_policy_version. Damaged files are
+        skipped with a warning naming them (see `load_file`).
 
         Arrays are zero-copy, read-only views into the memory-mapped file (`.copy()` to modify).
         """
-        for batch in self._batches():
-            yield from _decode_rows(batch, _matching_rows(batch, policy_version, min_policy_version))
+        for _path, trajs in self._trajectories():
+            for t in trajs:
+                if _version_matches(t.policy_version, policy_version, min_policy_version):
+                    yield t
 
     def read_all(
         self, policy_version: int | None = None, min_policy_version: int | None = None
@@ -550,8 +435,18 @@ class TrajectoryStore:
         return list(self.iter(policy_version, min_policy_version))
 
     def count(self, policy_version: int | None = None, min_policy_version: int | None = None) -> int:
-        """Number of stored trajectories (matching the filter); reads only the policy_version column."""
-        return sum(len(_matching_rows(b, policy_version, min_policy_version)) for b in self._batches())
+        """Number of stored trajectories (matching the filter) that `iter` yields: each file is verified
+        and decoded once (the result is cached per file, which never changes once written)."""
+        n = 0
+        for path in self.files():
+            versions = self._versions.get(_file_key(path))
+            if versions is None:
+                trajs = self.load_file(path)
+                if trajs is None:
+                    continue
+                versions = self._versions[_file_key(path)] = [t.policy_version for t in trajs]
+            n += sum(_version_matches(v, policy_version, min_policy_version) for v in versions)
+        return n
 
     def __len__(self) -> int:
         return self.count()
@@ -596,23 +491,29 @@ def _group_by_tokens(trajs: list[Trajectory], max_tokens: int) -> list[list[Traj
     return groups
 
 
-def _matching_rows(batch: pa.RecordBatch, version: int | None, min_version: int | None) -> list[int]:
+def _file_key(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return (path.name, st.st_size, st.st_mtime_ns)
+
+
+def _version_matches(v: int | None, version: int | None, min_version: int | None) -> bool:
     if version is None and min_version is None:
-        return list(range(batch.num_rows))
-    pv = batch.column(batch.schema.get_field_index("policy_version")).to_pylist()
-    return [
-        i
-        for i, v in enumerate(pv)
-        if v is not None and (version is None or v == version) and (min_version is None or v >= min_version)
-    ]
+        return True
+    return v is not None and (version is None or v == version) and (min_version is None or v >= min_version)
 
 
 __all__ = [
     "ROLES",
     "SCHEMA",
+    "SCHEMA_VERSION",
+    "CorruptStoreFile",
+    "NewerStoreVersion",
+    "StepInfo",
     "Trajectory",
     "TrajectoryStore",
     "TurnSpan",
+    "batch_crc32",
     "trajectories_from_batch",
     "trajectories_to_batch",
+    "trajectory_from_batch",
 ]

@@ -28,7 +28,9 @@ starts with the same system prompt and tool schemas (~330 of the ~420 tokens of 
 so that shared prefix is run once per step without gradients and its cache row is duplicated for the
 B suffixes (`OdysseyCache.select`): the logits are the same as a full forward (the model's cache
 contract), the gradient just does not flow into the prefix's own activations. The LM head runs only
-at the scored positions, so no [T, vocab] tensor is built. AdamW, linear warm-up then cosine decay.
+at the scored positions, so no [T, vocab] tensor is built. AdamW; the learning rate (config `warmup.lr`)
+follows transformers' `get_cosine_with_min_lr_schedule_with_warmup_lr_rate`: linear warm-up over
+`warmup.warmup_steps`, then cosine decay to `warmup.lr_min_ratio * lr` at the last step.
 
 The checkpoint (save_pretrained, fp32) gets `warmup.json` with the recipe (config sections the warm-up
 reads + its hyper-parameters): re-running with the same recipe is a no-op, a different one retrains.
@@ -42,7 +44,6 @@ import dataclasses
 import hashlib
 import inspect
 import json
-import math
 import shutil
 import sys
 import time
@@ -55,23 +56,26 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rl.config import WarmupSection
 from rl.rollout.agent_loop import ChatCodec, run_episode
 
 RECIPE_FILE = "warmup.json"
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: the learning-rate schedule is transformers' (the cosine starts one step later)
 #: episode seeds of the warm-up data start here, far from rollout seeds (rollout.seed * 1_000_003 + i)
 DATA_SEED_BASE = 1 << 40
+_DEFAULTS = WarmupSection.model_fields  # the config's `warmup:` defaults are the only ones
 
 
 @dataclass(frozen=True)
 class WarmupParams:
-    """Hyper-parameters. Defaults: tuned on the tiny preset and arith difficulties 0-1 (docs/warmup.md)."""
+    """Hyper-parameters. Defaults: tuned on the tiny preset and arith difficulties 0-1 (docs/warmup.md).
+    The run config's `warmup:` section sets the first five (`WarmupParams.from_config`)."""
 
-    steps: int = 250
-    batch_size: int = 8  # transcripts per step
-    lr: float = 1e-3  # 2e-3 and above: the format is learnt faster but digit copying stalls
-    warmup_steps: int = 10  # linear lr warm-up, then cosine decay to lr_min_ratio * lr
-    lr_min_ratio: float = 0.1
+    steps: int = _DEFAULTS["steps"].default
+    batch_size: int = _DEFAULTS["batch_size"].default  # transcripts per step
+    lr: float = _DEFAULTS["lr"].default  # peak learning rate
+    warmup_steps: int = _DEFAULTS["warmup_steps"].default  # linear lr warm-up, then cosine decay
+    lr_min_ratio: float = _DEFAULTS["lr_min_ratio"].default  # to lr_min_ratio * lr at the last step
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
@@ -84,6 +88,12 @@ class WarmupParams:
                 raise ValueError(f"warm-up {name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"warm-up lr must be > 0, got {self.lr}")
+
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides: Any) -> WarmupParams:
+        """The params of RunConfig `cfg`'s `warmup:` section (steps, batch_size, lr, warmup_steps,
+        lr_min_ratio), plus `overrides` of the others."""
+        return cls(**cfg.warmup.model_dump(), **overrides)
 
 
 # --------------------------------------------------------------------------------------------------- data
@@ -287,14 +297,14 @@ def existing_recipe(out_dir: str | Path) -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------------------------------------------- train
-def lr_at(step: int, params: WarmupParams) -> float:
-    """Linear warm-up over `warmup_steps`, then cosine from lr to lr * lr_min_ratio at the last step."""
-    if step < params.warmup_steps:
-        return params.lr * (step + 1) / params.warmup_steps
-    span = max(1, params.steps - params.warmup_steps - 1)
-    frac = min(1.0, (step - params.warmup_steps) / span)
-    lo = params.lr * params.lr_min_ratio
-    return lo + 0.5 * (params.lr - lo) * (1 + math.cos(math.pi * frac))
+def lr_schedule(opt: torch.optim.Optimizer, params: WarmupParams) -> torch.optim.lr_scheduler.LambdaLR:
+    """transformers' cosine-with-min-lr schedule: step i < warmup_steps runs at lr * (i + 1) / warmup_steps,
+    then cosine decay reaching lr * lr_min_ratio at the last step (`params.steps - 1`)."""
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup_lr_rate
+
+    return get_cosine_with_min_lr_schedule_with_warmup_lr_rate(
+        opt, params.warmup_steps, params.steps, min_lr_rate=params.lr_min_ratio
+    )
 
 
 def build_model(cfg: Any) -> Any:
@@ -321,12 +331,14 @@ class WarmupResult:
 
 def train(
     cfg: Any,
-    params: WarmupParams = WarmupParams(),
+    params: WarmupParams | None = None,
     log: Callable[[str], None] | None = print,
     model: Any = None,
 ) -> WarmupResult:
-    """Run the SFT warm-up for `cfg` (a RunConfig). The data stream is deterministic: step i uses the
-    oracle transcripts of episode seeds DATA_SEED_BASE + rollout.seed * 1_000_003 + i * B + b."""
+    """Run the SFT warm-up for `cfg` (a RunConfig; params default to its `warmup:` section). The data stream
+    is deterministic: step i uses the oracle transcripts of episode seeds
+    DATA_SEED_BASE + rollout.seed * 1_000_003 + i * B + b."""
+    params = params or WarmupParams.from_config(cfg)
     from model.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
@@ -339,6 +351,7 @@ def train(
     opt = torch.optim.AdamW(
         model.parameters(), lr=params.lr, betas=params.betas, weight_decay=params.weight_decay
     )
+    sched = lr_schedule(opt, params)
     base = DATA_SEED_BASE + int(cfg.rollout.seed) * 1_000_003
     history: list[dict[str, float]] = []
     tasks: set[str] = set()
@@ -356,13 +369,13 @@ def train(
             if int(t.tokens.max()) >= vocab:
                 raise ValueError(f"token id {int(t.tokens.max())} >= model vocab_size {vocab}")
         batch = pack_batch(batch_tr, params.share_prefix)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, params)
+        lr = sched.get_last_lr()[0]  # this step's
         loss, m = sft_loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), params.grad_clip))
         opt.step()
+        sched.step()
         if hasattr(model, "update_router_biases"):
             model.update_router_biases()
         run_nll, run_acc, run_n = run_nll + m["nll"], run_acc + m["acc"], run_n + 1
@@ -372,7 +385,7 @@ def train(
                 "nll": run_nll / run_n,
                 "acc": run_acc / run_n,
                 "grad_norm": gnorm,
-                "lr": lr_at(step, params),
+                "lr": lr,
                 "elapsed_s": time.perf_counter() - t0,
             }
             history.append(rec)
@@ -508,7 +521,6 @@ def run_warmup(
 
 
 def _parser() -> argparse.ArgumentParser:
-    d = WarmupParams()
     p = argparse.ArgumentParser(
         prog="odyssey warmup",
         description="SFT warm-up on the env's oracle transcripts; saves a checkpoint for model.init_from.",
@@ -516,11 +528,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     p.add_argument("--out", required=True, help="checkpoint directory to write (skipped if up to date)")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
-    p.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help=f"transcripts per step (default {d.batch_size})"
-    )
-    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr:g})")
+    p.add_argument("--steps", default=None, help="shortcut for the override warmup.steps=N")
+    p.add_argument("--batch-size", default=None, help="shortcut for the override warmup.batch_size=B")
+    p.add_argument("--lr", default=None, help="shortcut for the override warmup.lr=X (peak learning rate)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
         "--eval-episodes",
@@ -533,13 +543,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cli_main(argv: list[str]) -> int:
-    """`odyssey warmup CONFIG --out DIR [--steps N] [k=v ...]`. Exit 0 ok/skipped, 2 bad config/args."""
+    """`odyssey warmup CONFIG --out DIR [k=v ...]`: the hyper-parameters are the config's `warmup:` section
+    (`--steps/--batch-size/--lr` are shortcuts for its overrides). Exit 0 ok/skipped, 2 bad config/args."""
     args = _parser().parse_intermixed_args(argv)
     from rl.config import ConfigError, load_config
 
+    shortcuts = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr}
+    overrides = list(args.overrides) + [f"warmup.{k}={v}" for k, v in shortcuts.items() if v is not None]
     try:
-        cfg = load_config(args.config, args.overrides)
-        params = WarmupParams(steps=args.steps, batch_size=args.batch_size, lr=args.lr)
+        cfg = load_config(args.config, overrides)
+        params = WarmupParams.from_config(cfg)
     except (ConfigError, ValueError) as e:
         print(f"odyssey warmup: {e}", file=sys.stderr)
         return 2

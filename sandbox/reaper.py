@@ -8,9 +8,12 @@ A container is reaped when
     its owner ran on this host and that process is gone (or the pid now belongs to another process), or
     it is older than its TTL (whoever owns it; covers owners on other hosts sharing the daemon).
 
-`reap()` runs at every pool start, periodically in a background thread (`start_background_reaper`), on
-`odyssey sandbox gc`, and in the test session's leak check. So a SIGKILLed process — which runs no atexit
-or finally — leaks its containers only until the next reaper run anywhere on the host.
+`reap()` runs at every pool start, periodically in a background thread (`start_background_reaper`, every
+60 s in any live pool's process), at the start of every `odyssey` run command (`reap_quietly`, from
+rl/cli.py), on `odyssey sandbox gc`, and in the test session's leak check. So a SIGKILLed process — which
+runs no atexit or finally — leaks its containers only until the first of: the next reaper round of any
+live pool on the host (<= 60 s), the next `odyssey` run or `odyssey sandbox gc`, or the container's TTL
+(6 h by default), whichever comes first.
 """
 
 from __future__ import annotations
@@ -146,6 +149,19 @@ def reap(everything: bool = False) -> list[str]:
                     "reaped sandbox %s (%s, owner %s:%d)", info.name, why, info.owner_host, info.owner_pid
                 )
                 removed.append(info.name)
+    return removed
+
+
+def reap_quietly() -> list[str]:
+    """`reap()` for the start of a run: [] (and a debug log line) when the daemon cannot be reached, since
+    a run that needs no sandbox must not fail here, and one that does reports the daemon itself."""
+    try:
+        removed = reap()
+    except (SandboxError, DockerException, APIError, OSError) as err:
+        log.debug("sandbox reaper skipped: %s", err)
+        return []
+    if removed:
+        log.warning("reaped %d sandbox container(s) of dead owners: %s", len(removed), " ".join(removed))
     return removed
 
 

@@ -20,10 +20,11 @@ from model.config import OdysseyConfig
 from model.modeling import OdysseyForCausalLM
 from model.tokenizer import encode_chat, load_tokenizer
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
-from rl.rollout.engine import GenerationResult, Session, TorchEngine
+from rl.rollout.engine import TorchEngine
 from rl.rollout.tasks import Sample, Task, TaskStream
 from rl.rollout.worker import RolloutWorker, WorkerSettings
 from rl.trajectory import TrajectoryStore
+from tests.scripted_engine import ScriptedEngine
 
 PARITY_TOL = 1e-4
 
@@ -42,49 +43,6 @@ def model() -> OdysseyForCausalLM:
 def arith(**kw):
     kw.setdefault("use_sandbox", False)
     return envs.make("arith", difficulty=1, tools_in_prompt=False, **kw)
-
-
-class ScriptedEngine:
-    """InferenceEngine that 'generates' scripted texts (a turn ending in </tool_call> stops on that token,
-    like the real engine; other turns end with END_OF_TURN). Records every prompt it was sent."""
-
-    def __init__(self, codec: ChatCodec, turns, fail_on_turn: int | None = None):
-        self.codec, self.turns, self.fail_on_turn = codec, turns, fail_on_turn
-        self.prompts: list[list[int]] = []
-        self.weight_version = 0
-        self.released = 0
-
-    async def agenerate(self, req):
-        turn = len(self.prompts)
-        self.prompts.append(list(req.prompt_ids))
-        if turn == self.fail_on_turn:
-            raise RuntimeError("engine exploded")
-        turns = self.turns() if callable(self.turns) else self.turns
-        text = turns[turn] if turn < len(turns) else "I am done."
-        ids = self.codec.tok.encode(text, add_special_tokens=False)
-        stop = text.endswith(self.codec.tool_close)
-        if not stop:
-            ids = ids + [self.codec.eot_id]
-        return GenerationResult(
-            req.request_id,
-            ids,
-            [-0.5] * len(ids),
-            "stop_token",
-            None,
-            None,
-            req.session or Session(),
-            0,
-            len(req.prompt_ids),
-        )
-
-    def generate(self, requests):
-        return [asyncio.run(self.agenerate(r)) for r in requests]
-
-    def update_weights(self, state_dict, version):
-        self.weight_version = version
-
-    def release(self, session):
-        self.released += 1
 
 
 def _run(engine, env, codec, cfg=None, seed=3):
@@ -222,6 +180,24 @@ def test_failures_give_marked_stored_trajectories(codec, tmp_path):
     assert all(
         t.outcome is None and t.metadata["reward_status"] == "skipped_infra_error" for t in got.values()
     )
+    assert [got[i].metadata["infra_source"] for i in (0, 1, 2)] == ["env", "env", "engine"]
+
+
+def test_worker_engine_choice_follows_the_config():
+    """rollout.engine reaches the worker (WorkerSettings.engine) and picks the engine class; an unknown name
+    is refused naming the choices (the vLLM engine itself: tests/test_vllm_rollout.py)."""
+    from rl.config import load_config
+    from rl.rollout.engine import TorchEngine
+    from rl.rollout.worker import build_engine
+
+    vllm_cfg = load_config("configs/tiny.yaml", ["rollout.engine=vllm"])
+    assert WorkerSettings.from_config(vllm_cfg).engine == "vllm"
+    settings = WorkerSettings.from_config(load_config("configs/tiny.yaml", []))
+    engine, tmp = build_engine(settings, detokenize=str)
+    assert settings.engine == "torch" and isinstance(engine, TorchEngine) and tmp is None
+    settings.engine = "jax"
+    with pytest.raises(ValueError, match="unknown rollout engine 'jax'; use 'torch' or 'vllm'"):
+        build_engine(settings, detokenize=str)
 
 
 # ----------------------------------------------------------------------------- real engine
@@ -307,3 +283,4 @@ def test_arith_in_real_sandbox_and_container_killed_mid_episode(codec, sandbox_p
     assert good.step_infos[0]["tool_results"][0].strip().lstrip("-").isdigit()
     assert killed.infra_error and "Sandbox" in killed.infra_error, killed.infra_error
     assert killed.n_assistant_turns == 2 and killed.outcome is None and "total" not in killed.rewards
+    assert killed.metadata["infra_source"] == "sandbox" and "infra_source" not in good.metadata

@@ -107,12 +107,13 @@ def test_unknown_key_names_path_and_closest_key(tmp_path):
     p = write(tmp_path, "leaner: {lr: 1.0e-5}\nlr: 3\nrollout: {num_worker: 2}\n")
     assert sorted(problems_of(p)) == [
         "leaner: unknown key; did you mean 'learner'?",
-        "lr: unknown key; did you mean 'learner.lr'?",  # misplaced key: found in another section
+        "lr: unknown key; did you mean 'learner.lr' or 'warmup.lr'?",  # misplaced: found in other sections
         "rollout.num_worker: unknown key; did you mean 'rollout.num_workers'?",
     ]
     assert problems_of(write(tmp_path, "seed: 1\nzzzz: 2\n")) == [
         "seed: unknown key; did you mean 'rollout.seed' or 'learner.seed'?",
-        "zzzz: unknown key (valid keys here: model, env, rewards, rollout, learner, orchestrator, logging)",
+        "zzzz: unknown key (valid keys here: model, env, rewards, rollout, learner, orchestrator, logging, "
+        "warmup)",
     ]
     assert problems_of(TINY, ["rewards.0.wieght=1"]) == [
         "rewards.0.wieght: unknown key; did you mean 'rewards.0.weight'?"

@@ -31,7 +31,11 @@ class GuessEnv(ToolEnv):
 
     @tool
     def check(self, n: int) -> str:
-        """Compare a guess with the number."""
+        """Compare a guess with the number.
+
+        Args:
+            n: the guess.
+        """
         if n == self.task.target:
             self.achieve("found")
             return "equal"
@@ -39,7 +43,11 @@ class GuessEnv(ToolEnv):
 
     @tool
     def answer(self, n: int) -> str:
-        """Final answer."""
+        """Final answer.
+
+        Args:
+            n: the number.
+        """
         self.finish(float(n == self.task.target))
         return "ok"
 
@@ -154,6 +162,8 @@ def test_seedless_reset_is_reproducible_from_first_seed():
 
 
 def test_gymnasium_make_and_env_checker():
+    import envs.registry  # noqa: F401  (registers the odyssey/<Name>-v0 gymnasium ids; `import envs` is lazy)
+
     env = gymnasium.make("odyssey/Arith-v0", use_sandbox=False)
     msgs, info = env.reset(seed=0)
     assert info["env_id"] == "arith" and msgs[1]["content"].startswith("Compute ")

@@ -5,6 +5,7 @@ evaluator's safety, the long-docs facts and paging."""
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -26,20 +27,22 @@ def _run(args: list[str], stdin: str = "", cwd: Path | None = None, name: str = 
 
 
 def _run_suite(
-    tmp_path: Path, template: code_repair.Template, source: str, timeout_s: int = 2
+    tmp_path: Path, template: code_repair.Template, source: str, timeout_s: int = 2, run: int = 0
 ) -> dict[str, str]:
+    """Run one test run of the code-repair env on the host: the observe runner in a subprocess on `source`,
+    the verdict by `envs.code_repair.decide`. {test: "PASS" or why it failed}."""
+    from envs.code_repair import decide
+
     (tmp_path / template.module_file).write_text(source)
+    task = code_repair.CodeRepairTask("t", "p", template, (), source, seed=11)
+    checks = code_repair.draw_checks(task, run)
     res = _run(
-        [str(tmp_path), template.test_file, str(timeout_s), *template.test_names],
-        stdin=f"N0NCE\n{template.tests}",
+        [str(tmp_path), template.name, str(timeout_s)],
+        stdin=json.dumps([{"id": c.id, "code": c.code} for c in checks]),
+        name="observe",
     )
-    assert res.returncode == 0, res.stderr
-    out = {}
-    for line in res.stdout.splitlines():
-        if line.startswith("N0NCE PASS ") or line.startswith("N0NCE FAIL "):
-            name, _, reason = line[11:].partition(": ")
-            out[name] = "PASS" if line.startswith("N0NCE PASS") else reason
-    return out
+    results, why, _ = decide(checks, res.stdout)
+    return {n: "PASS" if ok else why[n] for n, ok in results.items()}
 
 
 # ---------------------------------------------------------------------------------------------- arith
@@ -88,17 +91,33 @@ def test_calc_script_cli():
 # ---------------------------------------------------------------------------------------------- code repair
 def test_every_template_passes_when_correct(tmp_path):
     for t in code_repair.TEMPLATES:
-        assert set(_run_suite(tmp_path, t, t.source).values()) == {"PASS"}, t.name
+        for run in range(3):
+            assert set(_run_suite(tmp_path, t, t.source, run=run).values()) == {"PASS"}, t.name
 
 
-def test_every_bug_combination_breaks_exactly_the_declared_tests(tmp_path):
+def test_every_bug_combination_breaks_exactly_the_declared_tests():
+    """Over 25 draws per template, in process (the reference traces of the buggy module stand in for the
+    sandbox's observations; the runner itself is exercised by the tests around this one)."""
+    from envs.observations import reference_traces, same
+
     for t in code_repair.TEMPLATES:
-        for k in range(1, len(t.bugs) + 1):
-            for bugs in itertools.combinations(t.bugs, k):
-                results = _run_suite(tmp_path, t, code_repair.inject(t, bugs))
-                failing = {n for n, r in results.items() if r != "PASS"}
-                declared = {n for b in bugs for n in b.breaks}
-                assert failing == declared, (t.name, [b.old for b in bugs])
+        for run in range(25):
+            checks = code_repair.draw_checks(code_repair.CodeRepairTask("t", "p", t, (), "", seed=run), run)
+            for k in range(1, len(t.bugs) + 1):
+                for bugs in itertools.combinations(t.bugs, k):
+                    observed = reference_traces(code_repair.inject(t, bugs), t.name, [c.code for c in checks])
+                    failing = {c.test for c, o in zip(checks, observed) if not same(o, c.expected)}
+                    declared = {n for b in bugs for n in b.breaks}
+                    assert failing == declared, (t.name, run, [b.old for b in bugs])
+
+
+def test_checks_are_fresh_every_run_and_reproducible():
+    t = code_repair.TEMPLATES[0]
+    task = code_repair.CodeRepairTask("t", "p", t, (), "", seed=5)
+    first, again, second = (code_repair.draw_checks(task, r) for r in (0, 0, 1))
+    assert [c.code for c in first] == [c.code for c in again]
+    assert [c.code for c in first] != [c.code for c in second]
+    assert {c.test for c in first} == set(t.test_names)
 
 
 def test_runner_edge_cases(tmp_path):
@@ -106,16 +125,16 @@ def test_runner_edge_cases(tmp_path):
     # a syntax error in the module: every test fails with the import error
     results = _run_suite(tmp_path, t, "def mean(:\n")
     assert set(results) == set(t.test_names)
-    assert all(r.startswith("cannot import the code under test: SyntaxError") for r in results.values())
-    # printed fake results do not count: only nonce-prefixed lines are results
-    forged = t.source + "\nprint('PASS test_mean')\nprint('N0NCEX PASS test_mean')\n"
-    assert set(_run_suite(tmp_path, t, forged).values()) == {"PASS"}
-    broken = code_repair.inject(t, t.bugs[:1]) + "\nprint('PASS test_mean')\n"
-    assert _run_suite(tmp_path, t, broken)["test_mean"] != "PASS"
-    # an infinite loop hits the per-test alarm
+    assert all("cannot import the code under test: SyntaxError" in r for r in results.values())
+    # printed or hard-coded results do not count: only observed values that match the reference
+    forged = code_repair.inject(t, t.bugs[:1]) + "\nprint('@@observed {\"id\": 0, \"trace\": [0]}')\n"
+    assert _run_suite(tmp_path, t, forged)["test_mean"] != "PASS"
+    overfit = t.source.replace("return sum(xs) / len(xs)", "return 2.5  # the visible test's answer")
+    assert _run_suite(tmp_path, t, overfit)["test_mean"] != "PASS"
+    # an infinite loop hits the per-check alarm; the other tests still run
     looping = t.source.replace("return sum(xs) / len(xs)", "while True:\n        pass")
     results = _run_suite(tmp_path, t, looping, timeout_s=1)
-    assert results["test_mean"].startswith("TimeoutError") and results["test_median_odd"] == "PASS"
+    assert "TimeoutError" in results["test_mean"] and results["test_median_odd"] == "PASS"
 
 
 def test_code_repair_generate():

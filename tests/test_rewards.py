@@ -326,6 +326,11 @@ def test_compose_needs_rewards():
             {"name": "overlong", "params": {"max_completion_len": "4096", "soft_punish_cache": 10}},
             ["max_completion_len='4096'", "annotation"],
         ),
+        (  # pydantic checks inside containers and refuses bool for a number
+            {"name": "subgoal", "params": {"weights": {"a": 1, "b": "x"}}},
+            ["rewards[0] (subgoal)", "weights.b='x'", "annotation dict[str, float] | None"],
+        ),
+        ({"name": "outcome", "params": {"threshold": True}}, ["threshold=True (bool)", "annotation float"]),
         (
             {"name": "overlong", "params": {"max_completion_len": 100, "soft_punish_cache": 200}},
             ["soft_punish_cache must be in [0, max_completion_len=100]"],

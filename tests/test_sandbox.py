@@ -41,26 +41,21 @@ def _assert_host_and_pool_fine(pool: SandboxPool) -> None:
 
 _PS = """
 import os
-me = os.environ["ODYSSEY_EXEC"].encode()
 for p in os.listdir("/proc"):
-    if not p.isdigit():
+    if not p.isdigit() or int(p) == os.getpid():
         continue
-    try:
-        env = open(f"/proc/{p}/environ", "rb").read().split(b"\\0")
-    except OSError:
-        env = []  # another user's process (the keep-alive runs as nobody)
     try:
         cmd = open(f"/proc/{p}/cmdline", "rb").read().replace(b"\\0", b" ").replace(b"\\n", b" ")
         cmd = cmd.decode().strip()
     except OSError:
         continue
-    if b"ODYSSEY_EXEC=" + me not in env and "odyssey-exec-wrapper" not in cmd and cmd != "runc init":
+    if "odyssey-exec-supervisor" not in cmd and cmd and cmd != "runc init":
         print(cmd)
 """
 
 
 def _processes(sb: Sandbox) -> list[str]:
-    """Command lines of every process in the sandbox except this listing and the exec wrappers."""
+    """Command lines of every process in the sandbox except this listing and the exec supervisor."""
     return sorted(sb.exec(["python3", "-c", _PS]).stdout.splitlines())
 
 
@@ -100,19 +95,30 @@ def _basics(sb: Sandbox) -> None:
 
 
 def test_exec_basics(sandbox_pool) -> None:
-    with sandbox_pool.lease_sync() as sb:  # pre-started exec wrappers (the default)
+    with sandbox_pool.lease_sync() as sb:  # the exec supervisor started with the container (the default)
         _basics(sb)
-    with Sandbox(sandbox_pool.image, LIMITS, prespawn=False) as sb:  # a fresh `docker exec` per call
+    with Sandbox(sandbox_pool.image, LIMITS, prespawn=False) as sb:  # started by the first call
+        assert sb._chan_future is None and sb._chan is None
         _basics(sb)
-        assert sb._spare is None
     _assert_host_and_pool_fine(sandbox_pool)
+
+
+def test_image_smoke(sandbox_pool) -> None:
+    """The image's build-time smoke command (python3 runs, as uid 1000, /work writable), in a hardened
+    sandbox; the build itself only runs it in a plain `docker run` (sandbox/image.py)."""
+    from sandbox.image import SMOKE_COMMAND, SMOKE_OUTPUT
+
+    with sandbox_pool.lease_sync() as sb:
+        res = sb.exec(SMOKE_COMMAND)
+        assert res.exit_code == 0 and res.stdout.split() == SMOKE_OUTPUT, res
+        assert sb.exec("test -f /work/ok").exit_code == 0
 
 
 def test_agent_cannot_kill_the_sandbox_and_no_command_runs_twice(sandbox_pool) -> None:
     with sandbox_pool.lease_sync() as sb:
-        assert sb.exec("kill -9 1").exit_code != 0  # pid 1 (docker-init) and sleep belong to nobody
-        assert "Uid:\t65534" in sb.exec("cat /proc/1/status").stdout
-        for _ in range(3):  # kills every agent process, including the pre-started wrapper of the next call
+        assert sb.exec("kill -9 1").exit_code != 0  # pid 1 (docker-init) and sleep belong to root
+        assert "Uid:\t0" in sb.exec("cat /proc/1/status").stdout
+        for _ in range(3):  # kills every agent process; the supervisor (root) is out of reach
             sb.exec("kill -9 -1")
             res = sb.exec("echo once >> /work/count; wc -l < /work/count")
             assert res.exit_code == 0
@@ -148,6 +154,29 @@ def test_fork_bomb_is_contained(sandbox_pool) -> None:
         pids = api.stats(sb.id, stream=False)["pids_stats"].get("current", 0)
         assert 0 < pids <= LIMITS.pids
         assert subprocess.run(["true"]).returncode == 0  # host still forks
+        # while it churns, a command either starts or fails with 126 and a message; never an infra error
+        for r in [sb.exec("echo maybe", timeout_s=3) for _ in range(3)]:
+            assert (r.exit_code, r.stdout) == (0, "maybe\n") or (
+                r.exit_code == 126 and "process limit" in r.stderr
+            ), r
+    with sandbox_pool.lease_sync() as sb:
+        # a table kept full (a detached filler that takes every free slot): commands fail with 126
+        fill = textwrap.dedent(
+            """
+            import os, time
+            while True:
+                try:
+                    if os.fork() == 0:
+                        time.sleep(600)
+                        os._exit(0)
+                except OSError:
+                    time.sleep(0.005)
+            """
+        )
+        sb.exec(["bash", "-c", 'setsid python3 -c "$1" >/dev/null 2>&1 &', "fill", fill])
+        time.sleep(1.0)
+        full = [sb.exec("echo never", timeout_s=3) for _ in range(3)]
+        assert all(r.exit_code == 126 and "process limit" in r.stderr for r in full), full
     _assert_host_and_pool_fine(sandbox_pool)  # the bombed container was removed, a fresh one works
 
 
@@ -407,3 +436,26 @@ def test_pool_reports_an_image_that_vanished(docker_sandbox) -> None:
         pool.close_sync()
         if any(tag in img.tags for img in images.list(name="odyssey-sandbox")):
             images.remove(tag)
+
+
+def test_the_next_odyssey_run_reaps_a_sigkilled_owner(sandbox_leak_check, docker_sandbox) -> None:
+    """No live pool anywhere, no `sandbox gc`: the start of the next `odyssey rollout` reclaims the leases
+    (even one that then fails on its config)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    sandbox_leak_check.track_pid(proc.pid)
+    try:
+        assert proc.stdout.readline().strip(), "the holder process did not start"
+        deadline = time.monotonic() + 20
+        while len([i for i in list_sandboxes() if i.owner_pid == proc.pid]) < 2:  # + its warm replacement
+            assert time.monotonic() < deadline, "the holder's pool did not refill"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run = subprocess.run(
+        [sys.executable, "-m", "rl.cli", "rollout", "/nonexistent/config.yaml"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and "no such config file" in run.stderr, run.stderr[-2000:]
+    assert not [i for i in list_sandboxes() if i.owner_pid == proc.pid]

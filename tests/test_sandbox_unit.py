@@ -1,72 +1,159 @@
-"""Sandbox logic that needs no Docker daemon: stream capping, limits, recipe, mirror, reaper rules.
+"""Sandbox logic that needs no Docker daemon: the exec channel's framing, the supervisor's process tree,
+limits, recipe, mirror, reaper rules.
 
 The Docker-backed behaviour of the same code is tested for real in tests/test_sandbox.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
-from sandbox.container import ExecResult, SandboxLimits, _parse_bytes, _StreamCapture
+from sandbox.container import ExecResult, SandboxLimits, _parse_bytes
 from sandbox.errors import SandboxCrashed, SandboxError, SandboxUnavailable
+from sandbox.exec_channel import SupervisorChannel, encode_request
 from sandbox.image import DEFAULT_IMAGE, cli_main, debian_mirror, image_version, recipe
 from sandbox.reaper import SandboxInfo, owner_alive, process_start_ticks
 
 
-def _reference_capture(data: bytes, cap: int, prefix: bytes | None) -> tuple[bytes, bool, bool]:
-    """Obvious reference: find the marker prefix in the whole stream, keep what precedes it, cut at cap."""
-    i = data.find(prefix) if prefix is not None else -1
-    body = data[:i] if i >= 0 else data
-    return body[:cap], len(body) > cap, i >= 0
+def _mux(stream: int, data: bytes) -> bytes:
+    """One chunk of Docker's multiplexed attach stream."""
+    return bytes([stream, 0, 0, 0]) + len(data).to_bytes(4, "big") + data
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_stream_capture_matches_reference_for_any_chunking(seed: int) -> None:
-    """Oracle: _StreamCapture over random chunkings == a one-shot find on the whole stream (exact bytes)."""
+def _frame(kind: bytes, payload: bytes | dict) -> bytes:
+    if isinstance(payload, dict):
+        payload = json.dumps(payload).encode()
+    return kind + len(payload).to_bytes(4, "big") + payload
+
+
+def _serve(peer: socket.socket, stream: bytes, rng: random.Random, close: bool) -> threading.Thread:
+    """Write `stream` to `peer` in random pieces (and read whatever the channel sends), then maybe close."""
+
+    def run() -> None:
+        pos = 0
+        while pos < len(stream):
+            n = rng.randint(1, 50)
+            peer.sendall(stream[pos : pos + n])
+            pos += n
+        if close:
+            peer.shutdown(socket.SHUT_WR)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_channel_demultiplexes_frames_for_any_chunking(seed: int) -> None:
+    """Oracle: the channel's stdout/stderr == the concatenated O/E payloads (each cut at `cap`), for random
+    frame sizes, Docker chunk boundaries, interleaved supervisor diagnostics and socket read boundaries."""
     rng = random.Random(seed)
-    nonce = f"{rng.getrandbits(64):016x}"
-    body = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 3000)))
-    if seed % 3 == 0:
-        body += b"\0ODY" + b"0" * 16 + b":"  # a decoy with the wrong nonce must pass through as output
-    marker = f"\0ODY{nonce}:3:1:42\0".encode() if seed % 5 else None
-    trailing = b"output of a background process after the marker" if marker else b""
-    stream = body + (marker or b"") + trailing
-    cap = rng.choice([1, 7, 100, 2000, 10_000])
-    cut = sorted(rng.sample(range(len(stream) + 1), k=min(len(stream) + 1, rng.randint(0, 12))))
-    cap_obj = _StreamCapture(cap, nonce)
-    prev = 0
-    for c in [*cut, len(stream)]:
-        cap_obj.feed(stream[prev:c])
-        prev = c
-    cap_obj.finish()
-    prefix = f"\0ODY{nonce}:".encode() if marker else None
-    want_kept, want_trunc, want_done = _reference_capture(stream, cap, prefix)
-    assert bytes(cap_obj.kept) == want_kept
-    assert cap_obj.truncated == want_trunc
-    assert cap_obj.done == want_done
-    if marker:
-        assert cap_obj.marker_fields == [3, 1, 42]
+    cap = rng.choice([1, 50, 700, 10_000])
+    frames = [_frame(b"A", {"pid": 3})]
+    out, err = b"", b""
+    for _ in range(rng.randint(0, 30)):
+        data = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 300)))
+        kind = rng.choice([b"O", b"E"])
+        frames.append(_frame(kind, data))
+        out, err = (out + data, err) if kind == b"O" else (out, err + data)
+    result = {"rc": 3, "timed_out": False, "capped": False, "oom_kills": 0, "elapsed_us": 1,
+              "out_bytes": len(out), "err_bytes": len(err)}  # fmt: skip
+    frames.append(_frame(b"X", result))
+    stdout_bytes = b"".join(frames)
+    muxed, pos = b"", 0
+    while pos < len(stdout_bytes):  # Docker cuts stream 1 anywhere, and interleaves stream 2
+        n = rng.randint(1, 400)
+        muxed += _mux(1, stdout_bytes[pos : pos + n])
+        if rng.random() < 0.3:
+            muxed += _mux(2, b"diagnostic ")
+        pos += n
+    a, b = socket.socketpair()
+    chan = SupervisorChannel("exec-id", a, b"")
+    t = _serve(b, muxed, rng, close=False)
+    req = encode_request(["true"], {}, "/work", 5, cap, None, uid=1000, gid=1000)
+    got = chan.run(req, time.monotonic() + 10, cap)
+    t.join()
+    assert got.kind == "done" and got.result == result
+    assert bytes(got.stdout) == out[:cap] and bytes(got.stderr) == err[:cap]
+    assert chan.diagnostics.count(b"diagnostic") == muxed.count(_mux(2, b"diagnostic "))
+    a.close(), b.close()
 
 
-def test_stream_capture_memory_is_bounded_by_cap() -> None:
-    cap = _StreamCapture(1000, "ab" * 8)
-    chunk = b"x" * 65536
-    for _ in range(200):  # 13 MB through a 1000-byte cap
-        cap.feed(chunk)
-    assert len(cap.kept) == 1000 and len(cap.pending) < 64 and cap.truncated
-    assert cap.total + len(cap.pending) == 200 * 65536
+def test_channel_outcomes_when_the_stream_ends_or_stalls() -> None:
+    req = encode_request(["true"], {}, "/work", 1, 100, b"in", uid=1000, gid=1000)
+    for stream, kind in ((b"", "not_accepted"), (_mux(1, _frame(b"A", {}) + _frame(b"O", b"x")), "lost")):
+        a, b = socket.socketpair()
+        _serve(b, stream, random.Random(0), close=True).join()
+        got = SupervisorChannel("e", a, b"").run(req, time.monotonic() + 5, 100)
+        assert got.kind == kind, (stream, got)
+        a.close(), b.close()
+    a, b = socket.socketpair()
+    t0 = time.monotonic()
+    got = SupervisorChannel("e", a, b"").run(req, time.monotonic() + 0.3, 100)
+    assert got.kind == "deadline" and 0.25 < time.monotonic() - t0 < 3
+    assert b.recv(1 << 16).startswith(b"R")  # the request (and its stdin) was sent meanwhile
+    a.close(), b.close()
+
+
+def test_request_encoding_rejects_what_the_kernel_cannot_take() -> None:
+    argv = ["bash", "-c", "echo 'a\nb'"]
+    req = encode_request(argv, {"X": "1 2"}, "/work", 2.5, 99, b"in", uid=1000, gid=7)
+    assert req[:1] == b"R" and req.endswith(b"in")
+    n = int.from_bytes(req[1:5], "big")
+    header = json.loads(req[5 : 5 + n])
+    assert header == {"argv": ["bash", "-c", "echo 'a\nb'"], "env": {"X": "1 2"}, "cwd": "/work",
+                      "timeout_s": 2.5, "cap": 99, "stdin_len": 2, "stop_at_cap": False, "uid": 1000,
+                      "gid": 7}  # fmt: skip
+    with pytest.raises(ValueError, match="NUL"):
+        encode_request(["a\0b"], {}, "/work", 1, 1, None, uid=1, gid=1)
+    with pytest.raises(ValueError, match="environment variable"):
+        encode_request(["true"], {"": "x"}, "/work", 1, 1, None, uid=1, gid=1)
+    with pytest.raises(ValueError, match="lone surrogates"):
+        encode_request(["echo", "\ud800"], {}, "/work", 1, 1, None, uid=1, gid=1)
+
+
+def test_supervisor_finds_a_whole_process_tree_and_reads_wait_statuses() -> None:
+    """exec_helper's pure parts on the host: descendants() sees double-forked, setsid'ed processes below a
+    root (skipping zombies); the keeper's report and wait statuses decode to exit codes."""
+    from sandbox import exec_helper
+
+    script = "import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(30)\n"
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 10
+        while len(exec_helper.descendants(proc.pid)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kids = exec_helper.descendants(proc.pid)
+        assert len(kids) == 1 and exec_helper.descendants(os.getpid()).count(proc.pid) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+        for k in kids:
+            os.kill(k, 9)
+    assert exec_helper._parse_status(b"status 768\n") == (768, None)
+    assert exec_helper._parse_status(b"forkerr 11\n") == (None, 11)
+    assert exec_helper._parse_status(b"stat") == (None, None)
+    assert exec_helper._parse_status(b"status 12") == (None, None)  # a line is complete at its newline
+    assert exec_helper._returncode(3 << 8) == 3 and exec_helper._returncode(9) == 137
 
 
 def test_parse_bytes_and_limits_validation() -> None:
     assert _parse_bytes("512m") == 512 * 2**20
     assert _parse_bytes("1g") == 2**30 and _parse_bytes("64k") == 65536 and _parse_bytes(123) == 123
-    assert _parse_bytes("1.5m") == int(1.5 * 2**20)
+    assert _parse_bytes("1.5m") == int(1.5 * 2**20) and _parse_bytes("512MB") == _parse_bytes(" 512mb ")
+    assert _parse_bytes("4096") == 4096
+    for bad in ("12x", "m", "", "1.5q", None, True, 1.5):
+        with pytest.raises(ValueError, match=r"SandboxLimits.work_size must be a (positive )?size.*'256m'"):
+            SandboxLimits(work_size=bad)
     with pytest.raises(ValueError, match="pids >= 16"):
         SandboxLimits(pids=1)
     with pytest.raises(ValueError, match="SandboxLimits.memory"):
@@ -147,28 +234,3 @@ def test_daemon_down_is_unavailable_with_the_fix(monkeypatch) -> None:
     finally:
         monkeypatch.delenv("DOCKER_HOST")
         client.reset_client()
-
-
-def test_exec_request_encoding() -> None:
-    from sandbox.container import _request
-
-    req = _request("ab" * 8, 2.5, "/work", ["bash", "-c", "echo 'a\nb'"], {"X": "1 2"}, True)
-    assert req.endswith(b"\0")
-    fields = req[:-1].split(b"\0")
-    assert fields == [
-        b"ODYREQ",
-        b"ab" * 8,
-        b"2.500",
-        b"/work",
-        b"1",
-        b"1",
-        b"X=1 2",
-        b"3",
-        b"bash",
-        b"-c",
-        b"echo 'a\nb'",
-    ]
-    with pytest.raises(ValueError, match="NUL"):
-        _request("n", 1, "/work", ["a\0b"], {}, False)
-    with pytest.raises(ValueError, match="environment variable"):
-        _request("n", 1, "/work", ["true"], {"": "x"}, False)

@@ -39,7 +39,12 @@ class EchoEnv(ToolEnv):
 
     @tool
     def add(self, a: float, b: float) -> float:
-        """Add two numbers."""
+        """Add two numbers.
+
+        Args:
+            a: the first.
+            b: the second.
+        """
         return a + b
 
     @tool
@@ -54,7 +59,11 @@ class EchoEnv(ToolEnv):
 
     @tool
     def done(self, ok: bool) -> str:
-        """End the episode."""
+        """End the episode.
+
+        Args:
+            ok: whether it succeeded.
+        """
         self.finish(1.0 if ok else 0.0)
         return "bye"
 
@@ -138,11 +147,13 @@ def test_schema_from_hints_and_docstring():
         Args:
             name: the name,
                 continued here.
-            n (int): a count.
+            n: a count.
             x: a number.
             flag: a switch.
             tags: labels.
             mode: speed.
+            limit: an optional cap.
+            extra: more counts.
 
         Returns:
             something.
@@ -161,11 +172,40 @@ def test_schema_from_hints_and_docstring():
     assert props["flag"]["type"] == "boolean"
     assert props["tags"]["type"] == "array" and props["tags"]["items"] == {"type": "string"}
     assert props["mode"]["enum"] == ["fast", "slow"] and props["mode"]["default"] == "fast"
-    assert props["limit"]["anyOf"] == [{"type": "integer"}, {"type": "null"}]
-    assert props["extra"]["anyOf"][0] == {"type": "object", "additionalProperties": {"type": "integer"}}
+    assert props["limit"] == dict(type="integer", nullable=True, description="an optional cap.", default=None)
+    assert props["extra"]["additionalProperties"] == {"type": "integer"} and props["extra"]["nullable"]
     assert fn["parameters"]["required"] == ["name", "n", "x", "flag", "tags"]
     assert fn["parameters"]["additionalProperties"] is False
     json.dumps(schema)  # serialisable for chat templates
+
+
+def test_schema_is_transformers_get_json_schema_plus_defaults():
+    """The schema the model sees is transformers' get_json_schema of the method; Odyssey only adds each
+    optional parameter's default and additionalProperties: false (and normalises description spacing)."""
+    from transformers.utils import get_json_schema
+
+    hf = get_json_schema(EchoEnv.echo)["function"]
+    ours = EchoEnv().tools["echo"].schema()["function"]
+    assert ours["name"] == hf["name"] == "echo" and ours["description"] == " ".join(hf["description"].split())
+    props = ours["parameters"]["properties"]
+    assert {k: {f: v for f, v in p.items() if f != "default"} for k, p in props.items()} == hf["parameters"][
+        "properties"
+    ]
+    assert props["times"]["default"] == 1 and "default" not in props["text"]
+
+
+def test_undocumented_tool_fails_at_env_construction_with_the_fix():
+    class Bare(ToolEnv):
+        def generate_task(self, seed, options):
+            return type("T", (), {"task_id": "t", "prompt": "p"})()
+
+        @tool
+        def go(self, n: int) -> str:
+            """Go somewhere."""
+            return str(n)
+
+    with pytest.raises(ToolDefinitionError, match=r"tool 'go': .*no description for the argument 'n'.*Args:"):
+        Bare()
 
 
 def test_bad_tool_definitions_fail_at_decoration():
@@ -201,7 +241,12 @@ def test_tool_inheritance_override_and_duplicates():
 
         @tool
         def add(self, a: float, b: float) -> float:
-            """Subtract instead."""
+            """Subtract instead.
+
+            Args:
+                a: from this.
+                b: subtract this.
+            """
             return a - b
 
     assert list(Child().tools) == ["echo", "add", "refuse", "done"]
@@ -314,3 +359,51 @@ def test_finish_stops_later_calls_and_sets_success():
     assert obs == [{"role": "tool", "content": "bye"}]
     assert (reward, term, trunc, info["success"], info["env_reward"]) == (1.0, True, False, 1.0, 1.0)
     assert [c["name"] for c in info["tool_calls"]] == ["done"]
+
+
+# ---------------------------------------------------------------------------------------------- totality
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ("[" * 5000, "nested too deeply"),
+        ('{"name": "a", "arguments": {"v": ' + "7" * 5000 + "}}", "integer is too long"),
+        ('{"name": "a", "arguments": {"v": 1e400}}', "out of range"),
+        ('{"name": "a", "arguments": {"v": NaN}}', "NaN is not valid JSON"),
+        ('{"name": "a", "arguments": {"v": -Infinity}}', "-Infinity is not valid JSON"),
+        ('{"name": "a", "name": "b"}', "duplicate key"),
+        ('{"name": "a\\ud800"}', "lone surrogate"),
+        ('{"name": "a", "arguments": {"\\udfff": 1}}', "lone surrogate"),
+    ],
+)
+def test_strict_json_rejects_what_python_would_accept_or_crash_on(body, needle):
+    (item,) = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert isinstance(item, ToolCallError) and item.kind == "malformed_json", item
+    assert needle in item.message and len(item.message) < 600
+
+
+def test_echo_bounds_and_escapes_model_text():
+    from envs.tool_call import echo, without_surrogates
+
+    text = "a\x00b\x1b[2J\u202ec\u200bd\ud800e\n\tf" + "x" * 500
+    out = echo(text, 20)
+    assert out.startswith("a\\u0000b\\u001b[2J\\u202ec\\u200bd\\ud800e\n\tf") and "more characters" in out
+    out.encode("utf-8")  # always encodable
+    assert echo("plain text") == "plain text" and echo("é中文🙂") == "é中文🙂"
+    assert without_surrogates("a\ud800b\udfff") == "a\ufffdb\ufffd" and without_surrogates("ok") == "ok"
+
+
+def test_many_calls_in_one_turn_run_only_the_first_ones():
+    text = format_tool_call("echo", {"text": "x"}) * (EchoEnv.max_tool_calls_per_turn + 10)
+    obs, _, _, _, info = _step(text)
+    assert len(info["tool_calls"]) == EchoEnv.max_tool_calls_per_turn
+    assert "only the first" in info["tool_errors"][0]
+    assert len(obs) == EchoEnv.max_tool_calls_per_turn + 1
+
+
+def test_unknown_and_confusable_names_are_echoed_safely():
+    for name in ("ech\u043e", "echo\u200b", "x" * 100_000, "ec\x00ho"):
+        obs, _, _, _, info = _step(format_tool_call(name, {"text": "a"}))
+        assert info["tool_results"] == [obs[0]["content"]]
+        assert obs[0]["content"].startswith("error: unknown tool")
+        assert len(obs[0]["content"]) < 1200 and "\x00" not in obs[0]["content"]
+        assert info["tool_calls"][0]["name"] != "echo" and len(info["tool_calls"][0]["name"]) < 300

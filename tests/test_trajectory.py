@@ -15,7 +15,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rl.trajectory import SCHEMA, Trajectory, TrajectoryStore, TurnSpan, trajectories_from_batch
+from rl.trajectory import (
+    SCHEMA,
+    Trajectory,
+    TrajectoryStore,
+    TurnSpan,
+    trajectories_from_batch,
+    trajectories_to_batch,
+    trajectory_from_batch,
+)
 from tests.traj_factory import assert_traj_equal, make_traj, step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,9 +117,7 @@ def test_validation_errors(change, match):
 def test_arrow_record_roundtrip():
     trajs = [_rich_traj(0), _rich_traj(1, routed=False, version=None)]
     for t in trajs:
-        assert_traj_equal(Trajectory.from_arrow(t.to_arrow()), t)
-    from rl.trajectory import trajectories_to_batch
-
+        assert_traj_equal(trajectory_from_batch(trajectories_to_batch([t])), t)
     batch = trajectories_to_batch(trajs)
     assert batch.schema.equals(SCHEMA) and batch.num_rows == 2
     back = trajectories_from_batch(batch)
@@ -119,18 +125,18 @@ def test_arrow_record_roundtrip():
     assert_traj_equal(back[1], trajs[1])
     assert back[0].metadata["seed"] == 0  # numpy scalars in metadata are stored as JSON numbers
     empty = Trajectory(tokens=[], loss_mask=[], rollout_logprobs=[], routed_experts=np.zeros((0, 7, 2)))
-    assert_traj_equal(Trajectory.from_arrow(empty.to_arrow()), empty)
+    assert_traj_equal(trajectory_from_batch(trajectories_to_batch([empty])), empty)
 
 
 def test_unserialisable_fields_are_clear_errors():
     t = _rich_traj(0)
     t.step_infos[0]["obj"] = object()
     with pytest.raises(TypeError, match="step_infos must be JSON-serialisable"):
-        t.to_arrow()
+        trajectories_to_batch([t])
     t = _rich_traj(0)
     t.metadata["policy_version"] = "v3"
     with pytest.raises(TypeError, match="policy_version"):
-        t.to_arrow()
+        trajectories_to_batch([t])
 
 
 def test_store_roundtrip_batches_order_and_filters(tmp_path):
@@ -185,7 +191,7 @@ def test_leftover_temp_file_is_ignored_with_warning(tmp_path):
     # a complete, valid Arrow file that was never renamed is still not a record
     full = tmp_path / ".crashed-writer.arrow.tmp"
     with pa.ipc.new_file(str(full), SCHEMA) as w:
-        w.write_batch(_rich_traj(1).to_arrow())
+        w.write_batch(trajectories_to_batch([_rich_traj(1)]))
     (tmp_path / ".half.arrow.tmp").write_bytes(b"ARROW1\x00\x00garbage")
     with pytest.warns(RuntimeWarning, match="ignoring temporary file"):
         assert [t.metadata["task_id"] for t in store.read_all()] == ["t0"]
@@ -200,16 +206,65 @@ def test_truncated_file_is_skipped_with_warning(tmp_path):
     # e.g. a non-atomic copy from another filesystem: a final name with half the bytes
     for i, cut in enumerate((len(data) // 2, len(data) - 3, 10)):
         (tmp_path / f"zz-truncated{i}.arrow").write_bytes(data[:cut])
-    with pytest.warns(RuntimeWarning, match="truncated or corrupt"):
+    with pytest.warns(RuntimeWarning, match="skipping corrupt file zz-truncated"):
         got = store.read_all()
     assert [t.metadata["task_id"] for t in got] == ["t0", "t1"]
-    assert good.exists()
+    assert good.exists() and len(store) == 2
+
+
+def test_silent_change_fails_the_checksum_and_skips_the_file(tmp_path):
+    """A token id changed on disk keeps the file structurally valid; the per-batch CRC catches it."""
+    store = TrajectoryStore(tmp_path)
+    t = _rich_traj(0)
+    marker = np.arange(1000, 1016, dtype=np.int32)
+    t = Trajectory(**{**vars(t), "tokens": np.concatenate([marker, t.tokens[16:]])})
+    path = store.append(t)
+    store.append(_rich_traj(1))
+    data = bytearray(path.read_bytes())
+    at = bytes(data).find(marker.tobytes())
+    assert at > 0
+    data[at : at + 4] = np.int32(7).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match=f"skipping corrupt file {path.name}.*fails its checksum"):
+        got = store.read_all()
+    assert [x.metadata["task_id"] for x in got] == ["t1"] and len(store) == 1
+
+
+def _old_file(path, traj, version: bytes) -> None:
+    """Write `traj` as a store file of an older schema version (1 or 2: no token_versions column)."""
+    old = pa.schema([f for f in SCHEMA if f.name != "token_versions"],
+                    metadata={b"odyssey.trajectory.schema_version": version})  # fmt: skip
+    batch = trajectories_to_batch([traj])
+    batch = pa.RecordBatch.from_arrays(batch.columns[:-1], schema=old)
+    if version != b"1":  # version 2 carries a CRC-32 per record batch
+        from rl.trajectory import batch_crc32
+
+        old = old.with_metadata(
+            {**old.metadata, b"odyssey.trajectory.batch_crc32": f"[{batch_crc32(batch)}]".encode()}
+        )
+        batch = batch.replace_schema_metadata(old.metadata)
+    with pa.ipc.new_file(str(path), old) as w:
+        w.write_batch(batch)
+
+
+@pytest.mark.parametrize("version", [b"1", b"2"])
+def test_older_stores_still_read(tmp_path, version):
+    """Files written before checksums (schema "1") and before token_versions (schema "2") read back
+    unchanged, with token_versions None."""
+    t = _rich_traj(0)
+    _old_file(tmp_path / "00-old.arrow", t, version)
+    store = TrajectoryStore(tmp_path)
+    store.append(_rich_traj(1))
+    got = store.read_all()
+    assert [x.metadata["task_id"] for x in got] == ["t0", "t1"] and len(store) == 2
+    assert np.array_equal(got[0].tokens, t.tokens) and got[0].step_infos == t.step_infos
+    assert got[0].token_versions is None
 
 
 def test_unknown_schema_version_is_an_error(tmp_path):
     schema = SCHEMA.with_metadata({b"odyssey.trajectory.schema_version": b"999"})
     with pa.ipc.new_file(str(tmp_path / "x.arrow"), schema) as w:
-        w.write_batch(_rich_traj(0).to_arrow().replace_schema_metadata(schema.metadata))
+        w.write_batch(trajectories_to_batch([_rich_traj(0)]).replace_schema_metadata(schema.metadata))
     with pytest.raises(ValueError, match="schema version"):
         TrajectoryStore(tmp_path).read_all()
 
@@ -308,17 +363,3 @@ def test_token_versions_roundtrip_and_oldest_version(tmp_path):
     assert back[1].token_versions is None
     with pytest.raises(ValueError, match="token_versions must have shape"):
         Trajectory(tokens=[1, 2], loss_mask=[0, 0], rollout_logprobs=[0.0, 0.0], token_versions=[1])
-
-
-def test_schema_1_store_is_still_read(tmp_path):
-    """A store written before schema 3 (no token_versions column, version "1") reads back unchanged,
-    with token_versions None."""
-    old = pa.schema(list(SCHEMA)[:-1], metadata={b"odyssey.trajectory.schema_version": b"1"})
-    t = _rich_traj(0)
-    batch = t.to_arrow()
-    batch = pa.RecordBatch.from_arrays(batch.columns[:-1], schema=old)
-    with pa.ipc.new_file(str(tmp_path / "0-old.arrow"), old) as w:
-        w.write_batch(batch)
-    (back,) = TrajectoryStore(tmp_path).read_all()
-    assert_traj_equal(back, t)
-    assert back.token_versions is None

@@ -14,7 +14,7 @@ import torch
 from model.config import OdysseyConfig
 from model.modeling import IGNORE_INDEX, OdysseyForCausalLM
 from model.tokenizer import encode_chat, load_tokenizer
-from rl.config import load_config
+from rl.config import ConfigError, load_config
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
 from rl.rollout.engine import GenerationResult, Session
 from rl.warmup import (
@@ -22,6 +22,7 @@ from rl.warmup import (
     WarmupParams,
     cli_main,
     evaluate,
+    lr_schedule,
     make_warmup_env,
     oracle_transcript,
     pack_batch,
@@ -137,8 +138,44 @@ def test_run_warmup_is_idempotent_and_refuses_foreign_dirs(tmp_path):
     with pytest.raises(ValueError, match="holds no warm-up checkpoint"):
         run_warmup(cfg, foreign, p, log=lines.append)
     assert cli_main(["configs/tiny.yaml", "--out", str(out), "--steps", "3", "--batch-size", "2"]) == 0
+    # the learning rate comes from the config (warmup.lr), like every other warm-up knob
+    lr_out = tmp_path / "lr"
+    assert (
+        cli_main(
+            [
+                "configs/tiny.yaml",
+                "--out",
+                str(lr_out),
+                "warmup.steps=2",
+                "warmup.batch_size=2",
+                "warmup.lr=5e-4",
+            ]
+        )
+        == 0
+    )
+    assert json.loads((lr_out / RECIPE_FILE).read_text())["recipe"]["params"]["lr"] == 5e-4
     assert cli_main(["configs/tiny.yaml", "--out", str(out), "learner.lr=-1"]) == 2
     assert cli_main(["configs/tiny.yaml", "--out", str(out), "--steps", "0"]) == 2
+
+
+def test_lr_schedule_is_transformers_cosine_with_min_lr_from_the_config():
+    cfg = load_config(
+        "configs/tiny.yaml",
+        ["warmup.lr=5e-4", "warmup.steps=20", "warmup.warmup_steps=4", "warmup.lr_min_ratio=0.2"],
+    )
+    p = WarmupParams.from_config(cfg)
+    assert (p.lr, p.steps, p.warmup_steps, p.lr_min_ratio) == (5e-4, 20, 4, 0.2)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=p.lr)
+    sched, lrs = lr_schedule(opt, p), []
+    for _ in range(p.steps):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == pytest.approx([p.lr * (i + 1) / 4 for i in range(4)])  # linear warm-up
+    assert max(lrs) == pytest.approx(p.lr) and lrs[-1] == pytest.approx(p.lr * 0.2)  # min at the last step
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))  # then non-increasing (cosine)
+    with pytest.raises(ConfigError, match="warmup.lr"):
+        load_config("configs/tiny.yaml", ["warmup.lr=0"])
 
 
 # Measured (2 shared CPU cores, 1 torch thread, docs/warmup.md): after the default warm-up (250 x 8, lr 1e-3;
@@ -152,7 +189,7 @@ SAMPLED_MIN = 0.4
 def test_tiny_model_learns_arith_difficulty_0_after_warmup(tmp_path):
     cfg = load_config("configs/tiny.yaml", ["env.kwargs.difficulty=0"])
     out = tmp_path / "warm"
-    trained, rec = run_warmup(cfg, out, WarmupParams())
+    trained, rec = run_warmup(cfg, out, WarmupParams.from_config(cfg))
     assert trained
     model = OdysseyForCausalLM.from_pretrained(str(out)).eval()  # the checkpoint the rollout loads
     greedy = evaluate(model, cfg, 64, temperature=0.0, seed=7)

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from rl.trajectory import Trajectory, TurnSpan
+from envs.trajectory import Trajectory, TurnSpan
 
 
 def step(
@@ -95,3 +95,20 @@ def assert_traj_equal(a: Trajectory, b: Trajectory) -> None:
         "metadata",
     ):
         assert getattr(a, name) == getattr(b, name), name
+
+
+def digest(t: Trajectory) -> str:
+    """SHA-256 over every field of a trajectory: equal digests = the same record (store round trips)."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    for a in (t.tokens, t.loss_mask, t.rollout_logprobs):
+        h.update(a.tobytes())
+    fields = [t.metadata, [s.to_dict() for s in t.step_infos], t.rewards, t.turn_rewards,
+              [vars(s) for s in t.turns], t.outcome, t.terminated, t.truncated, t.infra_error,
+              t.reward_error]  # fmt: skip
+    h.update(json.dumps(fields, sort_keys=True).encode())
+    if t.routed_experts is not None:
+        h.update(t.routed_experts.tobytes())
+    return h.hexdigest()

@@ -1,13 +1,20 @@
 """Code-repair tasks: a small Python module with injected bugs, plus the tests it must pass.
 
-Each `Template` is a correct module, its tests (plain `test_*` functions with asserts, run by
-`envs/sandbox_scripts/run_tests.py`) and a few `Bug`s: exact-substring replacements, each declaring
-the tests it breaks (tests/test_envs_code_repair_tasks.py checks every declaration by running the
-runner). A task picks one template and `num_bugs` of its bugs from the seed.
+Each `Template` is a correct module, its tests (plain `test_*` functions with asserts: the spec the agent
+reads), a check generator and a few `Bug`s (exact-substring replacements, each declaring the tests it
+breaks). The tests are *decided* by checks, not by running the asserts in the sandbox: for every run,
+`draw_checks` draws fresh inputs per test (`checks(rng) -> {test name: [code, ...]}`, each code a snippet
+calling the module and `observe(...)`-ing results), the reference traces come from the correct module on
+the host, and the sandbox only reports what the agent's module observed (envs/observations.py). So a test
+passes only for a module that computes the right values on inputs it has never seen: printing "PASS",
+exiting early, patching builtins or returning always-equal objects earns nothing, and neither does
+special-casing the inputs of the visible tests. tests/test_envs_tasks.py checks every bug declaration
+against the checks over many draws. A task picks one template and `num_bugs` of its bugs from the seed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +37,7 @@ class Template:
     source: str
     tests: str
     bugs: tuple[Bug, ...]
+    checks: Callable[[np.random.Generator], dict[str, list[str]]]  # fresh inputs per run, per test
 
     @property
     def module_file(self) -> str:
@@ -46,9 +54,237 @@ class Template:
         )
 
 
+# ---- check generators: fresh inputs for every run (see the module docstring) -----------------------------
+# Each test gets inputs that exercise exactly the behaviour it names (so every bug fails the tests it declares
+# and no other), and is two-sided where a constant answer could otherwise pass.
+
+
+def _ints(rng: np.random.Generator, n: int, lo: int = -9, hi: int = 30) -> list[int]:
+    return [int(v) for v in rng.integers(lo, hi, n)]
+
+
+def _stats_checks(rng: np.random.Generator) -> dict[str, list[str]]:
+    def varied(n: int) -> list[int]:  # nonzero sum, not all equal
+        while True:
+            xs = _ints(rng, n)
+            if sum(xs) != 0 and len(set(xs)) > 1:
+                return xs
+
+    def unsorted_median(n: int) -> list[int]:  # the middle of the unsorted list is not the median
+        while True:
+            xs, s, mid = _ints(rng, n), None, n // 2
+            s = sorted(xs)
+            true = s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2
+            naive = xs[mid] if n % 2 else (xs[mid - 1] + xs[mid]) / 2
+            if naive != true:
+                return xs
+
+    size = lambda *c: int(rng.choice(c))  # noqa: E731
+    return {
+        "test_mean": [f"observe(mean({varied(size(3, 4, 5, 6))}))" for _ in range(2)],
+        "test_median_odd": [f"observe(median({unsorted_median(size(3, 5, 7))}))" for _ in range(2)],
+        "test_median_even": [f"observe(median({unsorted_median(size(4, 6))}))" for _ in range(2)],
+        "test_variance": [f"observe(variance({varied(size(3, 4, 5, 6))}))" for _ in range(2)],
+    }
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _text_checks(rng: np.random.Generator) -> dict[str, list[str]]:
+    def word(lo: int = 3, hi: int = 8) -> str:
+        return "".join(rng.choice(list(_LETTERS), int(rng.integers(lo, hi))))
+
+    def palindrome() -> str:
+        half = word(2, 5)
+        return half + (str(rng.choice(list(_LETTERS))) if rng.random() < 0.5 else "") + half[::-1]
+
+    def non_palindrome() -> str:
+        while True:
+            w = word()
+            if w != w[::-1]:
+                return w
+
+    def mixed_case_phrase(text: str) -> str:  # random case + separators; mirrored letters differ in case
+        while True:
+            out = "".join(c.upper() if rng.random() < 0.5 else c for c in text)
+            letters = [c for c in out if c.isalpha()]
+            if letters != letters[::-1]:
+                break
+        cut = sorted({int(i) for i in rng.integers(1, len(out), 2)})
+        parts = [out[a:b] for a, b in zip([0, *cut], [*cut, len(out)])]
+        return str(rng.choice([" ", ", ", " - "])).join(parts)
+
+    def spaced(words: list[str]) -> str:  # runs of 1-3 spaces, at least one double, leading/trailing spaces
+        gaps = [" " * int(rng.integers(1, 4)) for _ in range(len(words) - 1)]
+        gaps[int(rng.integers(len(gaps)))] = "  "
+        return " " * int(rng.integers(0, 3)) + "".join(w + g for w, g in zip(words, [*gaps, ""])) + "  "
+
+    def random_case(w: str) -> str:
+        out = "".join(c.upper() if rng.random() < 0.5 else c for c in w)
+        return out if any(c.isupper() for c in out[1:]) else out[0] + out[1:].upper()
+
+    call = lambda fn, arg: f"observe({fn}({arg!r}))"  # noqa: E731
+    n_words = lambda lo, hi: int(rng.integers(lo, hi))  # noqa: E731
+    return {
+        "test_palindrome_simple": [call("is_palindrome", palindrome()), call("is_palindrome", palindrome()),
+                                   call("is_palindrome", non_palindrome())],
+        "test_palindrome_mixed_case": [call("is_palindrome", mixed_case_phrase(palindrome())),
+                                       call("is_palindrome", mixed_case_phrase(non_palindrome()))],
+        "test_not_palindrome": [call("is_palindrome", non_palindrome()),
+                                call("is_palindrome", non_palindrome()), call("is_palindrome", palindrome())],
+        "test_word_count_spaces": [call("word_count", spaced([word() for _ in range(n_words(2, 6))]))
+                                   for _ in range(2)],
+        "test_title_case": [call("title_case", " ".join(random_case(word()) for _ in range(n_words(2, 5))))
+                            for _ in range(2)],
+    }  # fmt: skip
+
+
+def _intervals_checks(rng: np.random.Generator) -> dict[str, list[str]]:
+    def chain(kind: str, n: int) -> list[list[int]]:
+        """Sorted intervals, each next one related to the union so far by `kind`."""
+        start = int(rng.integers(0, 10))
+        out = [[start, start + int(rng.integers(3, 8))]]
+        end = out[0][1]
+        for _ in range(n - 1):
+            prev_start = out[-1][0]
+            if kind == "overlap":  # prev_start < s < end < e
+                s = int(rng.integers(prev_start + 1, end))
+                e = end + int(rng.integers(1, 6))
+            elif kind == "touch":  # s == end < e
+                s, e = end, end + int(rng.integers(1, 6))
+            elif kind == "contain":  # prev_start < s < e < end
+                s = int(rng.integers(prev_start + 1, end - 1))
+                e = int(rng.integers(s + 1, end))
+            else:  # "gap": disjoint, at least 2 apart
+                s = end + int(rng.integers(2, 6))
+                e = s + int(rng.integers(1, 6))
+            out.append([s, e])
+            end = max(end, e)
+        return out
+
+    def shuffled(xs: list[list[int]]) -> list[list[int]]:
+        while True:
+            order = [int(i) for i in rng.permutation(len(xs))]
+            if order != sorted(order):
+                return [xs[i] for i in order]
+
+    def mixed() -> list[list[int]]:  # overlapping runs separated by gaps (no touching, no containment)
+        first = chain("overlap", int(rng.integers(2, 4)))
+        second = chain("overlap", int(rng.integers(1, 3)))
+        shift = first[-1][1] - second[0][0] + int(rng.integers(2, 6))
+        return first + [[a + shift, b + shift] for a, b in second]
+
+    merge = lambda xs: f"observe(merge({xs}))"  # noqa: E731
+    return {
+        "test_merge_overlap": [merge(mixed()) for _ in range(2)],
+        "test_merge_touching": [merge(chain("touch", int(rng.integers(2, 4)))) for _ in range(2)],
+        "test_merge_unsorted": [merge(shuffled(chain("gap", int(rng.integers(3, 6))))) for _ in range(2)],
+        "test_merge_contained": [merge(chain("contain", 2) + [[100, 100 + int(rng.integers(1, 5))]])
+                                 for _ in range(2)],
+        "test_total_length": [f"observe(total_length({mixed()}))" for _ in range(2)],
+    }  # fmt: skip
+
+
+def _bank_checks(rng: np.random.Generator) -> dict[str, list[str]]:
+    n = lambda lo=1, hi=50: int(rng.integers(lo, hi))  # noqa: E731
+    b1, b2, b3, b4, b5 = n(10, 60), n(), n(10, 60), n(), n(10, 60)
+    t = int(rng.integers(1, b5 + 1))
+    return {
+        "test_deposit": [f"observe(Account().deposit({n()}))",
+                         f"a = Account({n()})\na.deposit({n()})\nobserve(a.balance)"],
+        "test_deposit_zero_rejected": [f"observe(raised(lambda: Account({n()}).deposit(0)))",
+                                       f"observe(raised(lambda: Account({n()}).deposit(-{n()})))"],
+        "test_withdraw": [f"observe(Account({b1}).withdraw({int(rng.integers(1, b1 + 1))}))"],
+        "test_overdraft_rejected": [f"a = Account({b3})\nobserve(raised(lambda: a.withdraw({b3 + n()})))\n"
+                                    "observe(a.balance)"],
+        "test_transfer": [f"a, b = Account({b5}), Account({b2})\ntransfer(a, b, {t})\n"
+                          "observe((a.balance, b.balance))"],
+        "test_transfer_insufficient": [f"a, b = Account({b4 + 1}), Account({n()})\n"
+                                       f"observe(raised(lambda: transfer(a, b, {b4 + 1 + n()})))\n"
+                                       "observe((a.balance, b.balance))"],
+    }  # fmt: skip
+
+
+def _search_checks(rng: np.random.Generator) -> dict[str, list[str]]:
+    def distinct(n: int) -> list[int]:  # increasing, gaps of 2-5 (room for missing targets)
+        start = int(rng.integers(-20, 20))
+        return [start + int(v) for v in np.cumsum(rng.integers(2, 6, n))]
+
+    def odd_list() -> list[int]:
+        return distinct(int(rng.choice([3, 5, 7, 9])))
+
+    def dup_list() -> tuple[list[int], int]:
+        xs = distinct(int(rng.integers(3, 7)))
+        target = xs[int(rng.integers(len(xs)))]
+        xs = sorted(xs + [target] * int(rng.integers(1, 3)))
+        return xs, target
+
+    middle = [odd_list() for _ in range(2)]
+    ends = [distinct(int(rng.integers(4, 9))) for _ in range(2)]
+    missing = [distinct(int(rng.integers(3, 8))) for _ in range(2)]
+    dups = [dup_list() for _ in range(2)]
+    bs = lambda xs, t: f"observe(binary_search({xs}, {t}))"  # noqa: E731
+    ip = lambda xs, t: f"observe(insert_position({xs}, {t}))"  # noqa: E731
+    return {
+        "test_search_middle": [bs(xs, xs[(len(xs) - 1) // 2]) for xs in middle],
+        "test_search_ends": [bs(xs, xs[0]) + "\n" + bs(xs, xs[-1]) for xs in ends],
+        "test_search_missing": [bs(xs, xs[int(rng.integers(len(xs)))] + 1) + "\n" + bs(xs, xs[0] - 1)
+                                for xs in missing],
+        "test_insert_position": [ip(xs, xs[int(rng.integers(len(xs)))] + 1) for xs in missing],
+        "test_insert_duplicates": [ip(xs, t) for xs, t in dups],
+    }  # fmt: skip
+
+
+def _reference(template: str, name: str) -> Callable:
+    """`name` from a template's correct module (its own source, run here): the check generators build
+    inputs with it (e.g. valid Roman numerals), so no second copy of the module's logic exists."""
+    (t,) = [t for t in TEMPLATES if t.name == template]
+    namespace: dict[str, Any] = {}
+    exec(compile(t.source, f"<reference {t.name}>", "exec"), namespace)  # our own template code
+    return namespace[name]
+
+
+def _roman_checks(rng: np.random.Generator) -> dict[str, list[str]]:
+    _roman = _reference("roman", "to_roman")
+
+    def number(digits: tuple[int, ...], hundreds: tuple[int, ...] | None = None, thousands=(0, 1, 2, 3)):
+        d = [int(rng.choice(thousands)), int(rng.choice(hundreds or digits)), int(rng.choice(digits)),
+             int(rng.choice(digits))]  # fmt: skip
+        return max(1, d[0] * 1000 + d[1] * 100 + d[2] * 10 + d[3])
+
+    def additive_with_repeats() -> int:  # no 4/9/0 digits, at least one repeated symbol
+        while True:
+            n = number((1, 2, 3, 5, 6, 7, 8), thousands=(1, 2, 3))
+            numeral = _roman(n)
+            if any(a == b for a, b in zip(numeral, numeral[1:])):
+                return n
+
+    def subtractive_no_repeats() -> int:
+        while True:
+            n = number((0, 1, 4, 5, 6, 9), thousands=(0, 1))
+            numeral = _roman(n)
+            if ("4" in str(n) or "9" in str(n)) and all(a != b for a, b in zip(numeral, numeral[1:])):
+                return n
+
+    to = lambda n: f"observe(to_roman({n}))"  # noqa: E731
+    frm = lambda n: f"observe(from_roman({_roman(n)!r}))"  # noqa: E731
+    bad = lambda n: f"observe(raised(lambda: to_roman({n})))"  # noqa: E731
+    return {
+        "test_to_roman_basic": [to(additive_with_repeats()) for _ in range(2)],
+        "test_to_roman_subtractive": [to(number((0, 4, 9, 1, 5), hundreds=(9,))) for _ in range(2)],
+        "test_to_roman_range": [bad(0), bad(4000 + int(rng.integers(0, 500))), bad(-int(rng.integers(1, 99))),
+                                bad(int(rng.integers(1, 3999)))],
+        "test_from_roman_basic": [frm(additive_with_repeats()) for _ in range(2)],
+        "test_from_roman_subtractive": [frm(subtractive_no_repeats()) for _ in range(2)],
+    }  # fmt: skip
+
+
+
 TEMPLATES: tuple[Template, ...] = (
     Template(
         name="stats",
+        checks=_stats_checks,
         source="""\
 def mean(xs):
     \"\"\"Arithmetic mean of a non-empty list.\"\"\"
@@ -97,6 +333,7 @@ def test_variance():
     ),
     Template(
         name="text",
+        checks=_text_checks,
         source="""\
 def is_palindrome(text):
     \"\"\"True when text reads the same backwards, ignoring case and non-letters.\"\"\"
@@ -144,6 +381,7 @@ def test_title_case():
     ),
     Template(
         name="intervals",
+        checks=_intervals_checks,
         source="""\
 def merge(intervals):
     \"\"\"Merge overlapping or touching [start, end] intervals; the result is sorted.\"\"\"
@@ -191,6 +429,7 @@ def test_total_length():
     ),
     Template(
         name="bank",
+        checks=_bank_checks,
         source="""\
 class InsufficientFunds(Exception):
     pass
@@ -275,6 +514,7 @@ def test_transfer_insufficient():
     ),
     Template(
         name="search",
+        checks=_search_checks,
         source="""\
 def binary_search(items, target):
     \"\"\"Index of target in the sorted list items, or -1.\"\"\"
@@ -338,6 +578,7 @@ def test_insert_duplicates():
     ),
     Template(
         name="roman",
+        checks=_roman_checks,
         source="""\
 VALUES = [
     (1000, "M"), (900, "CM"), (500, "D"), (400, "CD"), (100, "C"), (90, "XC"),
@@ -445,6 +686,7 @@ class CodeRepairTask:
     template: Template
     bugs: tuple[Bug, ...]
     buggy_source: str
+    seed: int = 0
 
     @property
     def module_file(self) -> str:
@@ -490,7 +732,35 @@ def generate(seed: int, config: CodeRepairConfig) -> CodeRepairTask:
         template=template,
         bugs=bugs,
         buggy_source=inject(template, bugs),
+        seed=int(seed),
     )
+
+
+@dataclass(frozen=True)
+class Check:
+    """One decisive check of a test run: `code` runs in the sandbox against the agent's module;
+    `expected` is its trace against the correct module, computed on the host."""
+
+    id: int
+    test: str
+    code: str
+    expected: list
+
+
+def draw_checks(task: CodeRepairTask, run_index: int) -> list[Check]:
+    """The checks of run `run_index` of this task's tests: fresh inputs each run (deterministic per task
+    seed and run index), expected traces from the reference module (envs.observations.reference_traces)."""
+    from envs.observations import reference_traces
+
+    template = task.template
+    drawn = template.checks(np.random.default_rng([task.seed, run_index, 0xC0DE]))
+    if sorted(drawn) != sorted(template.test_names):
+        raise ValueError(
+            f"template {template.name}: checks cover {sorted(drawn)}, tests are {template.test_names}"
+        )
+    pairs = [(test, code) for test in template.test_names for code in drawn[test]]
+    expected = reference_traces(template.source, template.name, [code for _, code in pairs])
+    return [Check(i, test, code, exp) for i, ((test, code), exp) in enumerate(zip(pairs, expected))]
 
 
 def oracle_actions(task: CodeRepairTask) -> list[str]:

@@ -25,7 +25,16 @@ samples of one task (a GRPO group) draw different completions of the same proble
 Failures never lose an episode: a SandboxError the env reports (info["infra_error"]), an exception
 from env.reset/step or from the engine, all end the episode with `Trajectory.infra_error` set and
 whatever tokens were completed kept (tokens the engine never processed are dropped, so the record
-stays exactly what the model saw).
+stays exactly what the model saw). `metadata["infra_source"]` says whose failure it was:
+
+    "sandbox"  a SandboxError (daemon, container), reported by the env or raised through it
+    "engine"   the inference engine raised
+    "env"      the env's own code raised (reset, step, or messages the tokenizer cannot encode)
+
+Model text can never cause one: parsing, dispatch and observations are total functions of the text
+(envs/base.py), and observation strings are made encodable here (lone surrogates replaced) before
+they are tokenised. An env that raises on some input is still an infra error, counted per env by the
+worker (`WorkerReport.infra_by_env`) and stopped by `rl.rollout.health` when it dominates a batch.
 """
 
 from __future__ import annotations
@@ -39,11 +48,10 @@ from typing import Any
 
 import numpy as np
 
+from envs.tool_call import without_surrogates
 from rl.rollout.engine import GenerationRequest, InferenceEngine, Session
 from rl.rollout.sampling import SamplingParams
-from rl.trajectory import Trajectory, TurnSpan
-
-STEP_INFO_KEYS = ("tool_calls", "tool_results", "tool_errors", "subgoals", "env_reward", "infra_error")
+from rl.trajectory import StepInfo, Trajectory, TurnSpan
 
 
 @dataclass(frozen=True)
@@ -157,7 +165,8 @@ def _split_routing(r: np.ndarray | None, sizes: list[int]) -> list[np.ndarray | 
     return out
 
 
-def _jsonable(info: dict) -> dict:
+def _step_info(info: dict, reward: float) -> StepInfo:
+    """The typed record of an env's step info (values that JSON cannot store become their repr)."""
     out = {}
     for k, v in info.items():
         try:
@@ -165,14 +174,35 @@ def _jsonable(info: dict) -> dict:
         except (TypeError, ValueError):
             v = repr(v)
         out[k] = v
-    for k in STEP_INFO_KEYS:
-        out.setdefault(k, None if k == "infra_error" else (0.0 if k == "env_reward" else []))
-    return out
+    step = StepInfo.from_dict(out)
+    step.env_reward = float(reward)
+    return step
 
 
 def _err(e: BaseException) -> str:
     tb = traceback.format_exception_only(type(e), e)[-1].strip()
     return tb[:2000]
+
+
+def _source(e: BaseException) -> str:
+    """Whose failure an exception raised by (or through) the env is: "sandbox" or "env"."""
+    from sandbox.errors import SandboxError
+
+    return "sandbox" if isinstance(e, SandboxError) else "env"
+
+
+def _encodable(messages: list[dict]) -> list[dict]:
+    """Observation messages with lone surrogates replaced in their string contents."""
+    return [
+        {k: without_surrogates(v) if isinstance(v, str) else v for k, v in m.items()}
+        if isinstance(m, dict)
+        else m
+        for m in messages
+    ]
+
+
+class _EpisodeOver(Exception):
+    """Internal: the episode ended with an infra error already recorded."""
 
 
 async def run_episode(
@@ -201,15 +231,19 @@ async def run_episode(
         "tokenizer": codec.fingerprint,
         **(metadata or {}),
     }
-    step_infos: list[dict] = []
+    step_infos: list[StepInfo] = []
     finish_reasons: list[str] = []
-    outcome, terminated, truncated, infra = None, False, False, None
+    outcome, terminated, truncated, infra, source = None, False, False, None, None
     stop_ids, stop_strs = codec.stops(cfg.stop_on_tool_call)
     session: Session | None = None
     try:
-        messages, info = await env.areset(seed=seed, options=reset_options)
-        meta["task_id"] = info.get("task_id")
-        pending = [("prompt", codec.render_prompt(messages, env.tool_schemas()))]
+        try:
+            messages, info = await env.areset(seed=seed, options=reset_options)
+            meta["task_id"] = info.get("task_id")
+            pending = [("prompt", codec.render_prompt(_encodable(messages), env.tool_schemas()))]
+        except (Exception, SystemExit) as e:
+            infra, source = f"env.reset: {_err(e)}", _source(e)
+            raise _EpisodeOver from e
         turn = 0
         while True:
             n_pending = sum(len(ids) for _, ids in pending)
@@ -232,8 +266,8 @@ async def run_episode(
                 res = await engine.agenerate(
                     GenerationRequest(prompt_ids, params, session, request_id=f"{draw}:{turn}")
                 )
-            except Exception as e:  # engine failure: the pending tokens were never seen
-                infra = f"engine: {_err(e)}"
+            except (Exception, SystemExit) as e:  # engine failure: the pending tokens were never seen
+                infra, source = f"engine: {_err(e)}", "engine"
                 break
             session = res.session
             for (role, ids), r in zip(
@@ -257,15 +291,14 @@ async def run_episode(
             text = codec.decode(gen[:-1] if stopped else gen)
             try:
                 obs, reward, terminated, truncated, info = await env.astep(text)
-            except Exception as e:
-                infra = f"env.step: {_err(e)}"
-                step_infos.append(_jsonable({"infra_error": infra}))
+                step = _step_info(info, reward)  # a malformed info is the env's fault: an infra error
+            except (Exception, SystemExit) as e:
+                infra, source = f"env.step: {_err(e)}", _source(e)
+                step_infos.append(StepInfo(infra_error=infra))
                 break
-            step = _jsonable(info)
-            step["env_reward"] = float(reward)
             step_infos.append(step)
-            if step.get("infra_error"):
-                infra = str(step["infra_error"])
+            if step.infra_error:
+                infra, source = step.infra_error, "sandbox"
                 break
             if terminated:
                 s = info.get("success")
@@ -276,16 +309,24 @@ async def run_episode(
                 break
             if not ended_turn:
                 pending.append(("assistant", [codec.eot_id]))  # close the turn as the template does
-            pending.append(("observation", codec.continuation(obs)))
-    except Exception as e:  # env.reset or anything unexpected: a marked, stored trajectory
-        infra = infra or f"{type(e).__name__} in episode: {_err(e)}"
+            try:
+                pending.append(("observation", codec.continuation(_encodable(obs))))
+            except Exception as e:  # the env returned messages that are not chat messages
+                infra, source = f"env observation: {_err(e)}", "env"
+                break
+    except _EpisodeOver:
+        pass
+    except (Exception, SystemExit) as e:  # anything unexpected: still a marked, stored trajectory
+        infra, source = infra or f"{type(e).__name__} in episode: {_err(e)}", source or "env"
     finally:
         if session is not None:
             engine.release(session)
         try:
             await env.aclose()
-        except Exception as e:  # a failing close must not lose the episode
+        except (Exception, SystemExit) as e:  # a failing close must not lose the episode
             meta["close_error"] = _err(e)
+    if infra is not None:
+        meta["infra_source"] = source
     meta.update(
         finish_reasons=finish_reasons,
         n_turns=len(finish_reasons),

@@ -20,9 +20,16 @@
 An infra-failed episode is re-run once (same seeds); if it fails again it is stored marked. A worker
 that dies (actor killed, OOM) is named in the output and replaced by a fresh actor; the episodes it held
 are re-run with the same seeds, so every sample is stored exactly once. Only this process writes the
-run dir: workers on other nodes need no shared filesystem. Exit code: 0 when every episode is in the
-store (infra-failed episodes are stored, marked and counted, not fatal), 1 when some are missing, 2 on
-a bad config or arguments.
+run dir: workers on other nodes need no shared filesystem. The summary is computed from the store; its
+wall time and tokens/s are the driver's (from the moment every worker is up to the last episode, worker
+restarts included).
+
+While episodes run, `rl.rollout.health.InfraGuard` watches the infra errors: once more than
+`rollout.max_infra_fraction` of the requested episodes ended in one (the env's own code raising on what
+the policy wrote, a dead sandbox, a failing engine), the run stops, since the rest would be a biased
+sample. Exit code: 0 when every episode is in the store (infra-failed episodes are stored, marked and
+counted, not fatal), 1 when some are missing, 2 on a bad config or arguments, 3 when the infra guard
+stopped the run.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import Any
 
 from rich.console import Console
 
+from rl.rollout.health import BatchUnhealthy, InfraGuard
 from rl.rollout.summary import RolloutProgress, report_from_dict, report_from_store, summary_table
 from rl.rollout.tasks import Sample, TaskStream
 from rl.rollout.worker import RolloutWorker, WorkerReport, WorkerSettings
@@ -98,16 +106,20 @@ def cli_main(argv: list[str]) -> int:
         f"run dir {run_dir}",
         highlight=False,
     )
-    t0 = time.perf_counter()
+    guard = InfraGuard(cfg.rollout.max_infra_fraction)
     samples = TaskStream(cfg.rollout.seed, "train").first_samples(n, cfg.learner.group_size)
+    t0 = time.perf_counter()
+    stopped = None
     try:
         if args.no_ray:
-            report, failures = asyncio.run(_run_local(settings, samples, console)), []
+            report, failures = asyncio.run(_run_local(settings, samples, console, guard)), []
         else:
-            report, failures = run_on_ray(settings, samples, workers, console)
+            report, failures = run_on_ray(settings, samples, workers, console, guard=guard)
     except KeyboardInterrupt:
         err.print("odyssey rollout: interrupted; finished episodes are in the store", highlight=False)
         return 130
+    except BatchUnhealthy as e:
+        stopped, report, failures = str(e), WorkerReport(workers=workers), []
     wall = time.perf_counter() - t0
     report = report_from_store(store_dir, report)
     if report.wall_s == 0.0:
@@ -121,6 +133,7 @@ def cli_main(argv: list[str]) -> int:
         "store": str(store_dir),
         "driver_wall_s": wall,
         "worker_failures": failures,
+        "stopped": stopped,
         **report.to_dict(),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -135,24 +148,56 @@ def cli_main(argv: list[str]) -> int:
         err.print(
             "infra failures (first ones): " + " | ".join(report.infra_examples), highlight=False, markup=False
         )
+    if stopped:
+        err.print(f"odyssey rollout: stopped: {stopped}", highlight=False, markup=False)
+        return 3
     missing = n - stored
     if missing:
         err.print(f"odyssey rollout: {missing} of {n} episodes are missing from the store", highlight=False)
     return 1 if missing else 0
 
 
-async def _run_local(settings: WorkerSettings, samples: list[Sample], console: Console) -> WorkerReport:
-    worker = RolloutWorker(settings, 0)
+async def _run_local(
+    settings: WorkerSettings,
+    samples: list[Sample],
+    console: Console,
+    guard: InfraGuard | None = None,
+    worker: Any = None,
+) -> WorkerReport:
+    """`samples` on one in-process worker; BatchUnhealthy (episodes cancelled) when `guard` says so."""
+    worker = worker or RolloutWorker(settings, 0)
+    n = len(samples)
+    t0 = time.perf_counter()
     task = asyncio.ensure_future(worker.run(samples))
     try:
-        with RolloutProgress(len(samples), console) as prog:
+        with RolloutProgress(n, console) as prog:
             while not task.done():
                 await asyncio.wait([task], timeout=0.5)
                 p = await worker.progress()
                 prog.update(p["done"], p["generated_tokens"], p["infra_errors"])
-        return report_from_dict(task.result())
+                _check_guard(guard, settings, n, [p])
+        _check_guard(guard, settings, n, [await worker.progress()])  # episodes that ended after the poll
+        report = report_from_dict(task.result())
+        report.wall_s = time.perf_counter() - t0
+        return report
     finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await worker.close()
+
+
+def _check_guard(guard: InfraGuard | None, settings: WorkerSettings, n: int, polls: list[dict]) -> None:
+    """The infra guard over the workers' latest progress polls (one env per run: all infra errors count)."""
+    if guard is None:
+        return
+    by_source: dict[str, int] = {}
+    for p in polls:
+        for k, v in (p.get("infra_by_source") or {}).items():
+            by_source[k] = by_source.get(k, 0) + v
+    examples = [e for p in polls for e in p.get("infra_examples") or []]
+    total = sum(p.get("infra_errors", 0) for p in polls)
+    guard.check({settings.env_id: total}, {settings.env_id: n}, examples, by_source)
 
 
 def init_ray(num_cpus: int) -> bool:
@@ -192,6 +237,7 @@ def run_on_ray(
     max_restarts: int | None = None,
     max_infra_retries: int = 1,
     actor_options: dict[str, Any] | None = None,
+    guard: InfraGuard | None = None,
 ) -> tuple[WorkerReport, list[str]]:
     """Run `samples` on `num_workers` RolloutWorker actors fed from one queue (rl/rollout/dispatch.py),
     append each finished episode to `settings.store_dir` from this process, show progress.
@@ -200,7 +246,9 @@ def run_on_ray(
     the last attempt is stored marked). A worker that dies is named and replaced (at most `max_restarts`
     times in all, default one per worker); the episodes it held are re-run with the same seeds, so every
     sample is stored exactly once. actor_factory(worker_id) -> actor (default: a 1-CPU RolloutWorker
-    with `actor_options`). Returns the report of the stored episodes and the failure messages.
+    with `actor_options`). guard: stops the run (BatchUnhealthy, actors killed) once it judges the infra
+    errors too many. Returns the report of the stored episodes (wall_s: the driver's, from every actor
+    being up to the last result) and the failure messages.
     """
     import ray
 
@@ -223,7 +271,6 @@ def run_on_ray(
 
     store = TrajectoryStore(settings.store_dir) if settings.store_dir else None
     report = WorkerReport(workers=num_workers)
-    t0 = time.perf_counter()
     dispatcher = Dispatcher(
         spawn,
         num_workers,
@@ -234,6 +281,8 @@ def run_on_ray(
         log=lambda m: console.print(f"odyssey rollout: {m}", highlight=False, markup=False),
     )
     try:
+        dispatcher.wait_ready(timeout=600)  # every actor is up: the driver's clock starts
+        t0 = time.perf_counter()
         dispatcher.put(samples)
         with RolloutProgress(len(samples), console) as prog:
             while not dispatcher.idle:
@@ -244,6 +293,7 @@ def run_on_ray(
                         store.append(f.traj)
                     report.add(f.traj)
                 prog.update(report.episodes, report.generated_tokens, report.infra_errors)
+                _check_guard(guard, settings, len(samples), [_as_poll(report)])
     finally:
         dispatcher.close()
         if started:
@@ -251,3 +301,12 @@ def run_on_ray(
     report.wall_s = time.perf_counter() - t0
     report.infra_retries = dispatcher.infra_retries
     return report, list(dispatcher.failures)
+
+
+def _as_poll(report: WorkerReport) -> dict:
+    """A report in the shape of `RolloutWorker.progress()` (what `_check_guard` reads)."""
+    return {
+        "infra_errors": report.infra_errors,
+        "infra_by_source": dict(report.infra_by_source),
+        "infra_examples": list(report.infra_examples),
+    }

@@ -116,6 +116,28 @@ class InferenceEngine(Protocol):
     def weight_version(self) -> int: ...
 
 
+def stop_reason(
+    tokens: list[int],
+    params: SamplingParams,
+    detokenize: Callable[[list[int]], str] | None,
+    budget: int | None = None,
+) -> FinishReason | None:
+    """Why generation stops after the last of `tokens` (the tokens generated so far), or None to go on.
+    In this order: a stop token id ("stop_token"); a stop string in the decoded tail ("stop_string"; the
+    tail is the last longest-stop-string + 4 tokens, so a string split across tokens is found); the
+    budget, `params.max_new_tokens` unless `budget` is given ("length"). Every engine applies these rules."""
+    if tokens[-1] in params.stop_token_ids:
+        return "stop_token"
+    if params.stop_strings:
+        longest = max(len(x) for x in params.stop_strings)
+        tail = detokenize(tokens[-(longest + 4) :])
+        if any(x in tail for x in params.stop_strings):
+            return "stop_string"
+    if len(tokens) >= (params.max_new_tokens if budget is None else budget):
+        return "length"
+    return None
+
+
 class _Seq:
     """One request in flight."""
 
@@ -462,20 +484,9 @@ class TorchEngine:
             s.tokens.append(t)
             s.logprobs.append(lp)
             s.versions.append(self._version)
-            p = s.params
-            if t in p.stop_token_ids:
-                s.finish = "stop_token"
-            elif p.stop_strings and self._hit_stop_string(s):
-                s.finish = "stop_string"
-            elif len(s.tokens) >= p.max_new_tokens:
-                s.finish = "length"
+            s.finish = stop_reason(s.tokens, s.params, self.detokenize)
             if s.finish is not None:
                 s.flushing = True
-
-    def _hit_stop_string(self, s: _Seq) -> bool:
-        longest = max(len(x) for x in s.params.stop_strings)
-        tail = self.detokenize(s.tokens[-(longest + 4) :])
-        return any(x in tail for x in s.params.stop_strings)
 
     def _prefill(self, seqs: list[_Seq]) -> None:
         """Packed, chunked prefill: each forward holds at most prefill_chunk_size tokens in total."""

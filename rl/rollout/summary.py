@@ -64,7 +64,7 @@ class RolloutProgress:
 
 
 def summary_table(report: WorkerReport, title: str = "rollout summary") -> Table:
-    """Reward per component, turns, tokens, tool errors, sandbox failures, tokens/s."""
+    """Reward per component, turns, tokens, tool errors, infra failures (by source and env), tokens/s."""
     n = max(report.episodes, 1)
     t = Table(title=title, show_header=True, header_style="bold")
     t.add_column("metric")
@@ -80,14 +80,17 @@ def summary_table(report: WorkerReport, title: str = "rollout summary") -> Table
     t.add_row("tokens / episode", f"{report.tokens / n:.1f}")
     t.add_row("tool calls", str(report.tool_calls))
     t.add_row("tool errors", str(report.tool_errors))
-    t.add_row("sandbox / infra failures", str(report.infra_errors))
+    by_source = ", ".join(f"{k} {v}" for k, v in sorted(report.infra_by_source.items()))
+    t.add_row("infra failures", f"{report.infra_errors}" + (f" ({by_source})" if by_source else ""))
+    for env_id, n in sorted(report.infra_by_env.items()):
+        t.add_row(f"infra failures of env {env_id}", f"{n} / {report.episodes_by_env.get(env_id, 0)}")
     if report.infra_retries:
         t.add_row("infra failures re-run", str(report.infra_retries))
     t.add_row("reward errors", str(report.reward_errors))
     t.add_row("terminated / truncated", f"{report.terminated} / {report.truncated}")
     t.add_row("turn ends", ", ".join(f"{k} {v}" for k, v in sorted(report.finish_reasons.items())) or "-")
     t.add_row("generated tokens / s", f"{report.tokens_per_s:.1f}")
-    t.add_row("wall time", f"{report.wall_s:.1f} s")
+    t.add_row("wall time (driver)", f"{report.wall_s:.1f} s")
     return t
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -45,6 +47,7 @@ class WorkerSettings:
     model_preset / model_overrides / checkpoint / dtype: the policy (checkpoint dir wins when set;
     otherwise a freshly initialised preset seeded with `init_seed`, so every worker holds the same
     weights). seed: the engine's base seed (requests carry their own; see rl/rollout/tasks.py).
+    engine: "torch" (TorchEngine) or "vllm" (VllmEngine on the plugin; `build_engine`).
     episode: budgets and decoding. concurrency: episodes in flight per worker. shared_pool: the worker
     starts one shared SandboxPool of `sandbox_pool_size` (default: concurrency) on `sandbox_image`
     (None = default) when the env uses sandboxes; False = each env leases from its own pool.
@@ -69,6 +72,7 @@ class WorkerSettings:
     max_batch_size: int = 64
     prefill_chunk_size: int = 2048
     torch_threads: int | None = None
+    engine: str = "torch"
 
     @classmethod
     def from_config(cls, cfg: Any, store_dir: str | None = None) -> WorkerSettings:
@@ -101,6 +105,7 @@ class WorkerSettings:
             rewards=[e.model_dump(exclude_none=True) for e in cfg.rewards],
             store_dir=store_dir,
             max_batch_size=max(64, r.concurrent_episodes),
+            engine=r.engine,
         )
 
 
@@ -122,6 +127,40 @@ def build_policy(settings: WorkerSettings) -> Any:
     return model.to(dtype).eval()
 
 
+def build_engine(settings: WorkerSettings, detokenize: Callable[[list[int]], str]) -> tuple[Any, str | None]:
+    """The worker's engine by `settings.engine`: TorchEngine on `build_policy`, or VllmEngine on the
+    checkpoint directory (a fresh preset is saved to a temporary directory first, so both engines start
+    from the same weights). Returns (engine, temporary directory to delete on close, or None)."""
+    if settings.engine == "torch":
+        from rl.rollout.engine import TorchEngine
+
+        engine = TorchEngine(build_policy(settings), detokenize=detokenize,
+                             max_batch_size=settings.max_batch_size,
+                             prefill_chunk_size=settings.prefill_chunk_size, seed=settings.seed)
+        return engine, None
+    if settings.engine != "vllm":
+        raise ValueError(f"unknown rollout engine {settings.engine!r}; use 'torch' or 'vllm'")
+    from rl.rollout.vllm_engine import VllmEngine
+
+    model_dir, tmp = settings.checkpoint, None
+    if not model_dir:
+        tmp = model_dir = tempfile.mkdtemp(prefix="odyssey-vllm-policy-")
+        build_policy(settings).save_pretrained(model_dir)
+    try:
+        engine = VllmEngine(
+            model_dir, detokenize=detokenize, seed=settings.seed, dtype=settings.dtype,
+            max_num_seqs=settings.max_batch_size,
+            max_num_batched_tokens=max(settings.prefill_chunk_size, settings.max_batch_size),
+            # an episode never holds more than max_episode_tokens; +2: the flush and one spare position
+            max_model_len=settings.episode.max_episode_tokens + 2,
+        )
+    except BaseException:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return engine, tmp
+
+
 @dataclass
 class WorkerReport:
     """Statistics of one `run` (summed over its episodes; merged across workers by `merge`)."""
@@ -141,10 +180,19 @@ class WorkerReport:
     rewards: RewardMetrics = field(default_factory=RewardMetrics)  # per-component means, reward errors
     finish_reasons: dict[str, int] = field(default_factory=dict)
     infra_examples: list[str] = field(default_factory=list)
+    episodes_by_env: dict[str, int] = field(default_factory=dict)
+    infra_by_env: dict[str, int] = field(default_factory=dict)  # infra errors per env id (rl.rollout.health)
+    infra_by_source: dict[str, int] = field(default_factory=dict)  # "env" | "sandbox" | "engine"
     workers: int = 1
     infra_retries: int = 0  # infra-failed attempts that were re-run (not counted in `episodes`)
 
     def add(self, t: Trajectory) -> None:
+        env_id = str(t.metadata.get("env_id", "?"))
+        self.episodes_by_env[env_id] = self.episodes_by_env.get(env_id, 0) + 1
+        if t.infra_error:
+            source = str(t.metadata.get("infra_source") or "unknown")
+            self.infra_by_env[env_id] = self.infra_by_env.get(env_id, 0) + 1
+            self.infra_by_source[source] = self.infra_by_source.get(source, 0) + 1
         self.episodes += 1
         self.tokens += t.n_tokens
         self.generated_tokens += t.n_generated
@@ -234,16 +282,10 @@ class RolloutWorker:
 
             tokenizer = load_tokenizer()
         self.codec = ChatCodec(tokenizer)
+        self._engine_dir: str | None = None
+        self._own_engine = engine is None  # an injected engine is the caller's to shut down
         if engine is None:
-            from rl.rollout.engine import TorchEngine
-
-            engine = TorchEngine(
-                build_policy(settings),
-                detokenize=self.codec.decode,
-                max_batch_size=settings.max_batch_size,
-                prefill_chunk_size=settings.prefill_chunk_size,
-                seed=settings.seed,
-            )
+            engine, self._engine_dir = build_engine(settings, self.codec.decode)
         self.engine = engine
         self._env_factory = env_factory
         self._pool = sandbox_pool
@@ -312,13 +354,15 @@ class RolloutWorker:
         await self._ensure_pool()
         self._in_flight += 1
         try:
-            return await self.run_one(sample)
+            traj = await self.run_one(sample)
+            self._report.add(traj)
+            return traj
         finally:
             self._in_flight -= 1
             self._done += 1
 
     async def run_one(self, sample: Sample) -> Trajectory:
-        """One episode of `sample`: play and score. Always returns a trajectory."""
+        """One episode of `sample`: play and score (not counted, not stored). Always returns a trajectory."""
         s = self.settings
         task = sample.task
         meta = {**sample.metadata(), "worker_id": self.worker_id}
@@ -333,6 +377,7 @@ class RolloutWorker:
                 self.engine.weight_version,
                 meta,
             )
+            traj.metadata["infra_source"] = "env"
         else:
             traj = await run_episode(
                 self.engine,
@@ -348,8 +393,21 @@ class RolloutWorker:
             from rewards import compose
 
             compose(traj, self._specs)
-        self._report.add(traj)
         return traj
+
+    async def _store_and_count(self, traj: Trajectory) -> None:
+        """Append `traj` to the worker's store (at once: a crash loses at most the episodes in flight) and
+        count it in the report; a write cancelled mid-flight still counts if it lands."""
+        if self.store is not None:
+            stored = asyncio.ensure_future(asyncio.to_thread(self.store.append, traj))
+            try:
+                await asyncio.shield(stored)
+            except asyncio.CancelledError:  # the write runs on in its thread: count it if it lands
+                await asyncio.wait([stored])
+                if not stored.cancelled() and stored.exception() is None:
+                    self._report.add(traj)
+                raise
+        self._report.add(traj)
 
     async def run(self, samples: Sequence[Sample], return_trajectories: bool = False) -> dict:
         """Run `samples` (at most `concurrency` at once). Returns the report dict (and the
@@ -366,8 +424,7 @@ class RolloutWorker:
                 self._in_flight += 1
                 try:
                     trajs[j] = traj = await self.run_one(sample)
-                    if self.store is not None:  # at once: a crash loses at most the episodes in flight
-                        await asyncio.to_thread(self.store.append, traj)
+                    await self._store_and_count(traj)
                 except Exception:  # scoring/storing bugs: surface, but after the other episodes
                     traceback.print_exc()
                     raise
@@ -398,6 +455,9 @@ class RolloutWorker:
             "generated_tokens": r.generated_tokens,
             "infra_errors": r.infra_errors,
             "tool_errors": r.tool_errors,
+            "infra_by_env": dict(r.infra_by_env),
+            "infra_by_source": dict(r.infra_by_source),
+            "infra_examples": list(r.infra_examples),
         }
 
     async def update_weights(self, weights: Any, version: int) -> int:
@@ -418,6 +478,11 @@ class RolloutWorker:
     async def close(self) -> None:
         if hasattr(self.engine, "aclose"):
             await self.engine.aclose()
+        if self._own_engine and hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
+        if self._engine_dir:
+            shutil.rmtree(self._engine_dir, ignore_errors=True)
+            self._engine_dir = None
         if self._own_pool and self._pool is not None:
             await self._pool.close()
             self._pool = None
