@@ -337,3 +337,18 @@ def test_infra_failures_are_rerun_then_kept_masked():
     assert last.final and last.traj.infra_error and d.infra_retries == 1
     ok = d._finished(s1, _traj(s1, 1.0), 0)
     assert ok.final
+
+
+def test_infra_guard_stops_a_batch_an_env_failed_on(tmp_path):
+    """rollout.max_infra_fraction 0.5: a batch where the env failed on 3 of 4 episodes is not trained."""
+    from rl.rollout.health import BatchUnhealthy
+
+    t = _trainer(tmp_path, "rollout.max_infra_fraction=0.5")
+    batch = _group(0, [1.0, 0.0]) + _group(1, [1.0, 0.0])
+    for i in (0, 1, 2):
+        s, _ = batch[i]
+        batch[i] = (s, _traj(s, 0.0, infra="env.step: ValueError: parser choked"))
+        batch[i][1].metadata.update(env_id="arith", infra_source="env")
+    with pytest.raises(BatchUnhealthy, match="'arith' ended 3 of the batch's 4 episodes.*Sources: env 3"):
+        t._check_infra(batch)
+    t._check_infra(batch[2:])  # 1 of 2: not more than half

@@ -49,6 +49,7 @@ from typing import Any
 from rich.console import Console
 
 from rl.rollout.dispatch import Dispatcher, Finished, NoWorkersLeft
+from rl.rollout.health import BatchUnhealthy
 from rl.rollout.tasks import Sample, TaskStream
 from rl.rollout.worker import RolloutWorker, WorkerSettings
 from rl.train.buffer import ExperienceBuffer
@@ -321,6 +322,7 @@ class Trainer:
         if not batch:
             self._ledger({"step": None, "trained": [], "stale": [s.key for s, _ in dropped], "discarded": []})
             return None
+        self._check_infra(batch)
         t0 = time.perf_counter()
         fut = self.learner.step([t for _, t in batch])
         while not self.learner.done(fut):
@@ -347,6 +349,27 @@ class Trainer:
             "learner": learner_metrics,
             "timings": {"learner": learner_s, "weight_sync": sync_s},
         }
+
+    def _check_infra(self, batch: list) -> None:
+        """rl.rollout.health.InfraGuard over the batch: BatchUnhealthy when an env failed on more than
+        rollout.max_infra_fraction of its episodes (training on the rest would be a biased sample)."""
+        from rewards.compose import infra_error_of
+        from rl.rollout.health import InfraGuard
+
+        planned: dict[str, int] = {}
+        bad: dict[str, int] = {}
+        sources: dict[str, int] = {}
+        examples: list[str] = []
+        for _, t in batch:
+            env_id = str(t.metadata.get("env_id", self.cfg.env.id))
+            planned[env_id] = planned.get(env_id, 0) + 1
+            error = infra_error_of(t)
+            if error is not None:
+                bad[env_id] = bad.get(env_id, 0) + 1
+                src = str(t.metadata.get("infra_source") or "unknown")
+                sources[src] = sources.get(src, 0) + 1
+                examples.append(error)
+        InfraGuard(self.cfg.rollout.max_infra_fraction).check(bad, planned, examples, sources)
 
     def _ledger(self, entry: dict) -> None:
         with open(self.run_dir / LEDGER_FILE, "a") as f:
@@ -406,6 +429,10 @@ class Trainer:
             raise TrainingStopped(
                 f"the learner actor died ({e}); the run stopped at step {self.state.step}. "
                 + resume_hint(self.cfg, self.config_path)
+            ) from e
+        except BatchUnhealthy as e:
+            raise TrainingStopped(
+                f"{e} (at step {self.state.step}; nothing of this batch was trained)"
             ) from e
         except NoWorkersLeft as e:
             raise TrainingStopped(
