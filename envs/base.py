@@ -50,6 +50,7 @@ from typing import Any, ClassVar, Protocol
 
 import gymnasium
 
+from envs.dataset import DatasetRow, as_row
 from envs.spaces import ChatMessages, ChatText
 from envs.tool_call import EXPECTED_FORMAT, ToolCallError, parse_tool_calls
 from envs.tools import ToolArgumentError, ToolDefinitionError, ToolError, ToolSpec
@@ -136,6 +137,26 @@ class ToolEnv(gymnasium.Env):
         """The task for `seed`: deterministic, pure Python (no sandbox). Every subclass overrides it
         (checked in `__init__`); it runs in a worker thread, off the event loop."""
         raise TypeError(f"{type(self).__name__} must implement generate_task(self, seed, options) -> task")
+
+    def task_from_row(self, row: DatasetRow) -> TaskLike:
+        """The task for one dataset row (`env.dataset`, envs/dataset.py): `reset(options={"row": row})`
+        calls it instead of `generate_task`. Envs that take rows override it; it runs in a worker thread."""
+        raise TypeError(
+            f"env {self.env_id!r} ({type(self).__name__}) does not take dataset rows: it generates its tasks "
+            "from seeds. Remove env.dataset, use an env that takes rows (dataset-qa, reasoning-gym/<name>, "
+            "skyrl/<env>), or implement task_from_row(self, row) -> task in the env"
+        )
+
+    def first_messages(self) -> list[Message]:
+        """The conversation's start for `self.task`: [system, user(prompt)]. A task whose prompt is a list of
+        chat messages (a conversational dataset row) starts with those, after the system message unless
+        they bring their own."""
+        system = {"role": "system", "content": self.system_prompt()}
+        prompt = self.task.prompt
+        if isinstance(prompt, str):
+            return [system, {"role": "user", "content": prompt}]
+        messages = [dict(m) for m in prompt]
+        return messages if any(m.get("role") == "system" for m in messages) else [system, *messages]
 
     async def setup(self) -> None:
         """Prepare the leased sandbox for `self.task` (write files...). Default: nothing."""
@@ -260,14 +281,15 @@ class ToolEnv(gymnasium.Env):
         self._over = True  # until the new episode is fully set up
         task_seed = int(seed) if seed is not None else int(self.np_random.integers(2**31 - 1))
         # off the event loop: generating a large task (long-docs) takes a while
-        self.task = await asyncio.to_thread(self.generate_task, task_seed, options)
+        row = options.get("row")
+        if row is not None:
+            self.task = await asyncio.to_thread(self.task_from_row, as_row(row))
+        else:
+            self.task = await asyncio.to_thread(self.generate_task, task_seed, options)
         self._turn, self._over, self._finished = 0, False, None
         self._achieved, self._new_subgoals = [], []
         await self.setup()
-        messages = [
-            {"role": "system", "content": self.system_prompt()},
-            {"role": "user", "content": self.task.prompt},
-        ]
+        messages = self.first_messages()
         info = {
             "task_id": self.task.task_id,
             "seed": task_seed,

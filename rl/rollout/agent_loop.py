@@ -16,6 +16,9 @@ rendering the whole conversation, so the trainer sees the same sequence the poli
 
 Per token: loss_mask 1 and rollout_logprobs on sampled tokens (NaN elsewhere); routed_experts for
 every fed token (prompt, observations and generated ones: R3 replays the whole sequence).
+The decoded conversation goes to `metadata["messages"]` (the env's prompt messages, each assistant
+turn's text, each observation message; `metadata["n_prompt_messages"]` of them are the prompt), so
+reward functions read text without a tokenizer (rewards/text.py).
 
 Failures never lose an episode: a SandboxError the env reports (info["infra_error"]), an exception
 from env.reset/step or from the engine, all end the episode with `Trajectory.infra_error` set and
@@ -188,6 +191,8 @@ async def run_episode(
     try:
         messages, info = await env.areset(seed=seed)
         meta["task_id"] = info.get("task_id")
+        convo = [dict(m) for m in messages]  # the decoded conversation, for rewards (rewards/text.py)
+        meta.update(messages=convo, n_prompt_messages=len(convo))
         pending = [("prompt", codec.render_prompt(messages, env.tool_schemas()))]
         turn = 0
         while True:
@@ -227,6 +232,7 @@ async def run_episode(
             ended_turn = bool(gen) and gen[-1] == codec.eot_id
             stopped = bool(gen) and gen[-1] in codec.stop_ids  # end-of-turn or EOS: not part of the text
             text = codec.decode(gen[:-1] if stopped else gen)
+            convo.append({"role": "assistant", "content": text})
             try:
                 obs, reward, terminated, truncated, info = await env.astep(text)
                 step = _step_info(info, reward)  # a malformed info is the env's fault: an infra error
@@ -248,6 +254,7 @@ async def run_episode(
             if not ended_turn:
                 pending.append(("assistant", [codec.eot_id]))  # close the turn as the template does
             pending.append(("observation", codec.continuation(obs)))
+            convo.extend(dict(m) for m in obs)
     except Exception as e:  # env.reset or anything unexpected: a marked, stored trajectory
         infra = infra or f"{type(e).__name__} in episode: {_err(e)}"
     finally:

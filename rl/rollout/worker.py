@@ -301,9 +301,9 @@ class RolloutWorker:
         else:
             traj = await run_episode(self.engine, env, self.codec, s.episode, seed=seed, metadata=meta)
         if self._specs:
-            from rewards import compose
+            from rewards import acompose
 
-            compose(traj, self._specs)
+            await acompose(traj, self._specs)  # async rewards (judges) wait here, not on the event loop
         if self.store is not None:
             await asyncio.to_thread(self.store.append, traj)
         self._report.add(traj)
