@@ -139,6 +139,7 @@ def decode_section(model, B: int, P: int, new: int, with_hf: bool) -> dict:
 # ---------------------------------------------------------------------------------------------- agent loop
 def agent_section(episodes: int, new_tokens: int) -> dict:
     from rl.rollout.agent_loop import EpisodeConfig
+    from rl.rollout.tasks import TaskStream
     from rl.rollout.worker import RolloutWorker, WorkerSettings
 
     def run(concurrency: int, scripted: bool = False) -> dict:
@@ -158,7 +159,7 @@ def agent_section(episodes: int, new_tokens: int) -> dict:
             try:
                 await w._ensure_pool()  # pool warm-up is not part of the episode rate
                 t = time.perf_counter()
-                rep = await w.run(list(range(episodes)))
+                rep = await w.run(TaskStream(base_seed=0).first_samples(episodes, group_size=1))
                 return time.perf_counter() - t, rep
             finally:
                 await w.close()

@@ -11,6 +11,8 @@ turns, tool observations, concatenated in order), with per-token training data:
     loss_mask         uint8   [T]                  1 on model-generated tokens, else 0
     rollout_logprobs  float32 [T]                  behaviour-policy log-prob, NaN where not generated
     routed_experts    uint16  [T, n_moe_layers, k] top-k expert ids per MoE layer (routing replay), optional
+    token_versions    int32   [T]                  policy version that sampled each generated token, -1 on
+                                                   other tokens; optional (None in stores before schema 3)
 
 plus turn spans, one `StepInfo` per env step, rewards and metadata. Assistant turn i is the i-th
 span with role "assistant"; `step_infos[i]` (when it exists) is the env step that consumed that
@@ -189,7 +191,8 @@ class TurnSpan:
 class Trajectory:
     """One episode. Arrays are validated and coerced to the documented dtypes on construction.
 
-    Shapes: tokens / loss_mask / rollout_logprobs [T]; routed_experts [T, n_moe_layers, k] or None.
+    Shapes: tokens / loss_mask / rollout_logprobs [T]; routed_experts [T, n_moe_layers, k] or None;
+    token_versions [T] or None (a partial rollout that spans weight updates has several versions).
     `turn_rewards` is empty until `rewards.compose` fills it (then len == number of assistant turns).
     """
 
@@ -207,6 +210,7 @@ class Trajectory:
     rewards: dict[str, float] = field(default_factory=dict)
     turn_rewards: list[float] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
+    token_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.tokens = _as_int_array("tokens", self.tokens, np.int32)
@@ -223,6 +227,11 @@ class Trajectory:
                     "pass None when the engine did not record routing"
                 )
             self.routed_experts = re
+        if self.token_versions is not None:
+            tv = _as_int_array("token_versions", self.token_versions, np.int32)
+            if tv.shape != (T,):
+                raise ValueError(f"Trajectory.token_versions must have shape [T={T}], got {tv.shape}")
+            self.token_versions = tv
         self.turns = [_as_span(i, s) for i, s in enumerate(self.turns)]
         _check_spans(self.turns, T)
         _check_mask_in_assistant_spans(self.loss_mask, self.turns)
@@ -268,6 +277,17 @@ class Trajectory:
     def policy_version(self) -> int | None:
         v = self.metadata.get("policy_version")
         return None if v is None else int(v)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the generated tokens (token_versions; else
+        metadata["policy_version"], the version at the episode's start); None when unknown."""
+        if self.token_versions is not None:
+            gen = self.token_versions[self.loss_mask.astype(bool)]
+            gen = gen[gen >= 0]
+            if gen.size:
+                return int(gen.min())
+        return self.policy_version
 
     def assistant_spans(self) -> list[TurnSpan]:
         """The assistant turns, in order; index i matches step_infos[i] and turn_rewards[i]."""

@@ -240,7 +240,7 @@ class SignStats:
     def __init__(self, n: int, process_group=None) -> None:
         self.n = n
         self.process_group = process_group
-        self.counts = torch.zeros(n, dtype=torch.int64)
+        self.counts = torch.zeros(n, dtype=torch.int64, device="cpu")  # not a buffer: never on meta
 
     def add(self, topk_idx: torch.Tensor) -> None:
         c = torch.bincount(topk_idx.reshape(-1), minlength=self.n)

@@ -2,8 +2,9 @@
 
 A *step* is the span between two `close_step()` calls (LatentMoE.update_bias() closes it, so one
 step = one optimizer step when the trainer calls `model.update_router_biases()` after each step).
-Every forward adds the token counts per expert of the experts it actually ran (the replayed ones
-under routing replay), in train and eval mode alike.
+Every recorded forward (`LatentMoE.record_statistics`) adds the token counts per expert of the experts
+it actually ran (the replayed ones under routing replay), in train and eval mode alike. Under
+torch.distributed, `LatentMoE.update_bias` sums the step over the data-parallel ranks first.
 
 Metrics (`ExpertLoadTracker.metrics()`), on the most recent step: the step in progress if it has
 seen tokens, else the last closed step:
@@ -33,7 +34,9 @@ class ExpertLoadTracker:
         if window < 1:
             raise ValueError(f"expert-load window must be >= 1 step, got {window}")
         self.n, self.k, self.window = n_experts, k, window
-        self._counts = torch.zeros(n_experts, dtype=torch.int64)
+        # explicit device: from_pretrained builds the model under a meta-device context, and this plain
+        # tensor (not a buffer) would otherwise stay on meta
+        self._counts = torch.zeros(n_experts, dtype=torch.int64, device="cpu")
         self._entropy_sum = 0.0
         self._tokens = 0
         self._last: tuple[torch.Tensor, float, int] | None = None
@@ -50,6 +53,23 @@ class ExpertLoadTracker:
         ent = -(p * p.clamp(min=1e-30).log()).sum(dim=-1)
         self._entropy_sum += float(ent.sum())
         self._tokens += topk_idx.shape[0]
+
+    @torch.no_grad()
+    def all_reduce(self, process_group=None) -> None:
+        """Sum the step in progress over the data-parallel ranks of `process_group` (torch.distributed
+        must be initialised), so every rank's metrics describe the whole step. Call once, before
+        `close_step`."""
+        import torch.distributed as dist
+
+        stats = torch.cat([self._counts.double(), torch.tensor([self._entropy_sum, float(self._tokens)],
+                                                               dtype=torch.float64)])
+        backend = dist.get_backend(process_group)
+        dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        stats = stats.to(dev)
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=process_group)
+        stats = stats.cpu()
+        self._counts = stats[: self.n].round().long()
+        self._entropy_sum, self._tokens = float(stats[self.n]), int(round(float(stats[self.n + 1])))
 
     def close_step(self) -> None:
         """End the current step: it becomes the 'last step' and enters the dead-expert window."""

@@ -16,6 +16,11 @@ attends only within a sequence; AttnRes and FFNs are per token. Incremental deco
 Routing replay: ``replay_experts`` [T, n_moe_layers, k] forces each MoE layer's experts (the axis order is
 `moe_layer_indices`); ``return_routed_experts=True`` returns the experts used, same layout (int64).
 
+Per-layer activation checkpointing: `model.gradient_checkpointing_enable()` (transformers' API) makes every
+decoder layer keep only its inputs (the AttnRes sources) during a forward with gradients and recompute its
+activations in the backward. MoE statistics are recorded again by the recomputation unless the caller
+turns recording off around the backward (`model.moe.statistics_recording`; the learner does).
+
 Importing this module registers the config/model with `AutoConfig` / `AutoModel` / `AutoModelForCausalLM`.
 """
 
@@ -109,7 +114,7 @@ class OdysseyPreTrainedModel(PreTrainedModel):
     config: OdysseyConfig
     base_model_prefix = "model"
     _no_split_modules = ["OdysseyDecoderLayer"]
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _supports_sdpa = True
 
     @torch.no_grad()
@@ -154,6 +159,7 @@ class OdysseyModel(OdysseyPreTrainedModel):
         self.final_read = AttnResRead(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.moe_layer_indices = [l for l, layer in enumerate(self.layers) if layer.is_moe]
+        self.gradient_checkpointing = False  # set by gradient_checkpointing_enable()
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -175,23 +181,48 @@ class OdysseyModel(OdysseyPreTrainedModel):
         stream = AttnResStream([self.embed_tokens(input_ids)])
         keep = cache is not None
         new_layers: list[LayerCache] | None = [] if keep else None
+        checkpointed = self.gradient_checkpointing and not keep and torch.is_grad_enabled()
         routed, aux, j = [], None, 0  # j: index of the next MoE layer on the n_moe_layers axis
         for l, layer in enumerate(self.layers):
             replay = None
             if layer.is_moe and replay_experts is not None:
                 replay = replay_experts[:, j]
             j += layer.is_moe
-            layer_cache, topk = layer(stream, cu_seqlens, cache.layers[l] if keep else None, keep, replay)
+            if checkpointed:
+                topk, layer_aux = self._checkpointed_layer(layer, stream, cu_seqlens, replay)
+            else:
+                layer_cache, topk = layer(stream, cu_seqlens, cache.layers[l] if keep else None, keep, replay)
+                layer_aux = layer.mlp.aux_loss if layer.is_moe else None
             if keep:
                 new_layers.append(layer_cache)
             if layer.is_moe:
                 if return_routed_experts:
                     routed.append(topk)
-                if layer.mlp.aux_loss is not None:
-                    aux = layer.mlp.aux_loss if aux is None else aux + layer.mlp.aux_loss
+                if layer_aux is not None:
+                    aux = layer_aux if aux is None else aux + layer_aux
         h = self.norm(self.final_read(stream.sources()))
         routed_t = torch.stack(routed, dim=1) if routed else None
         return h, new_layers, routed_t, aux
+
+    def _checkpointed_layer(self, layer: OdysseyDecoderLayer, stream: AttnResStream, cu_seqlens: torch.Tensor,
+                            replay: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`layer` as a pure function of the AttnRes sources under `self._gradient_checkpointing_func`:
+        it saves only the sources and recomputes the layer in the backward. Advances `stream` like
+        `layer(stream, ...)`. Returns (topk_idx [T, k] | None, MoE aux loss | None)."""
+
+        def run(partial, replay, *blocks):
+            s = AttnResStream(list(blocks), partial)
+            _, topk = layer(s, cu_seqlens, None, False, replay)
+            out = s.partial if s.partial is not None else s.blocks[-1]  # the open block, or the one sealed
+            return out, topk, layer.mlp.aux_loss if layer.is_moe else None
+
+        out, topk, aux = self._gradient_checkpointing_func(run, stream.partial, replay, *stream.blocks)
+        if (layer.layer_idx + 1) % layer.attn_res.block_size == 0:
+            stream.blocks.append(out)
+            stream.partial = None
+        else:
+            stream.partial = out
+        return topk, aux
 
 
 def _chunk_logprobs(h: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

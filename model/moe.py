@@ -20,11 +20,20 @@ Routing replay (R3): `replay_experts` [T, k] forces T (any integer dtype); p is 
 the current s over the forced set, so W_r gets gradient. Balancing statistics always use the
 router's own free choice topk(s + b) (that is what b controls); load metrics count the experts
 that actually ran. Balancing: see model/balancing.py; observability: model/expert_load.py.
+
+Which forwards are counted: every forward while `record_statistics` is True (the default). A trainer that
+runs extra forwards (no-grad passes, activation-checkpoint recomputation) turns recording off around them
+with `statistics_recording(model, False)`, so exactly one forward per token feeds the balancer and the
+expert-load statistics.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from model.activations import situ_glu
@@ -156,6 +165,7 @@ class LatentMoE(nn.Module):
         self.shared_experts = nn.ModuleList(DenseFFN(config, shared_I) for _ in range(n_shared))
 
         self.aux_loss: torch.Tensor | None = None
+        self.record_statistics = True  # off: forwards feed neither the balancer nor the load tracker
         self.process_group = None  # data-parallel group for the balancing all-reduces (None = default)
         self._quantile = QuantileStats(k)
         self._sign = SignStats(n)
@@ -222,10 +232,13 @@ class LatentMoE(nn.Module):
         return y.reshape(*lead, y.shape[-1]), idx.reshape(*lead, self.k)
 
     def _observe(self, scores: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> None:
-        """Balancing statistics (training forwards only), aux loss, and load observability."""
+        """Aux loss, then (while `record_statistics`) balancing statistics (training forwards only) and load
+        observability."""
         self.aux_loss = None
         if self.balancing == "aux_loss":
             self.aux_loss = aux_balance_loss(scores, idx, self.n_experts, self.aux_loss_coef)
+        if not self.record_statistics:
+            return
         if self.training:
             if self.balancing == "quantile":
                 self._quantile.add(scores, self.bias)
@@ -238,6 +251,8 @@ class LatentMoE(nn.Module):
         """Apply the step's balancing update to b (train mode, quantile / bias_sign) and close the
         observability step. The new b affects routing from the next forward on, i.e. the next step.
         """
+        if dist.is_available() and dist.is_initialized():  # every data-parallel rank logs the whole step
+            self.load_tracker.all_reduce(self.process_group)
         self.load_tracker.close_step()
         if not self.training:
             return
@@ -280,6 +295,23 @@ def dense_reference_forward(
     return y.reshape(*x.shape[:-1], y.shape[-1]), idx.reshape(*x.shape[:-1], moe.k)
 
 
+@contextmanager
+def statistics_recording(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Set `record_statistics` of every LatentMoE in `model` to `enabled` inside the block, then restore it.
+
+    A trainer wraps no-grad forwards and the backward (where activation checkpointing recomputes the
+    forward) in `statistics_recording(model, False)`, so only the one forward with gradients records."""
+    moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
+    before = [m.record_statistics for m in moes]
+    for m in moes:
+        m.record_statistics = enabled
+    try:
+        yield
+    finally:
+        for m, b in zip(moes, before):
+            m.record_statistics = b
+
+
 def aggregate_load_metrics(per_layer: dict[int, dict], prefix: str = "moe") -> dict[str, float | list]:
     """Flatten {layer_idx: LatentMoE.load_metrics()} into one logging dict.
 
@@ -303,4 +335,11 @@ def aggregate_load_metrics(per_layer: dict[int, dict], prefix: str = "moe") -> d
     return out
 
 
-__all__ = ["Router", "LatentMoE", "latent_expert", "dense_reference_forward", "aggregate_load_metrics"]
+__all__ = [
+    "Router",
+    "LatentMoE",
+    "latent_expert",
+    "dense_reference_forward",
+    "aggregate_load_metrics",
+    "statistics_recording",
+]

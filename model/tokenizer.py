@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import functools
+import hashlib
 import json
 import re
 import sys
@@ -235,6 +236,13 @@ def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:
     if tok.chat_template is None:
         raise ValueError(f"{path} has no chat template; rebuild it with `python -m model.tokenizer build`")
     return tok
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
+    """16 hex digits of sha256 over the tokenizer's whole definition (vocabulary, merges, added tokens,
+    normaliser, pre-tokeniser): equal fingerprints mean the same text <-> id mapping. Trajectories record it
+    (metadata["tokenizer"]) so a learner with another tokenizer refuses them."""
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ Each command group lives with the code it drives; this file only dispatches:
     odyssey envs list                         -> envs.registry.cli_main
     odyssey rollout CONFIG --episodes N       -> rl.rollout.cli.cli_main
     odyssey warmup CONFIG --out DIR           -> rl.warmup.cli_main
+    odyssey train CONFIG [k=v ...]            -> rl.train.cli.cli_main
+    odyssey eval CONFIG --checkpoint DIR      -> rl.train.eval.cli_main
 
 Imports are lazy so `odyssey --help` answers instantly and one broken group cannot break the others.
 """
@@ -21,6 +23,12 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "rollout": ("rl.rollout.cli", "cli_main", "run agent episodes in sandboxes; store scored trajectories"),
     "warmup": ("rl.warmup", "cli_main", "SFT warm-up on an env's oracle episodes: warmup CONFIG --out DIR"),
+    "train": (
+        "rl.train.cli",
+        "cli_main",
+        "RL training on Ray (resumes from the latest checkpoint): train CONFIG",
+    ),
+    "eval": ("rl.train.eval", "cli_main", "held-out evaluation: eval CONFIG --checkpoint DIR --episodes N"),
     "config": ("rl.config", "cli_main", "show a resolved run config: config show FILE [k=v ...]"),
     "model": ("model.count", "cli_main", "model tools: model params --preset tiny|small|k3 [--json]"),
     "sandbox": ("sandbox.image", "cli_main", "sandbox image and containers: sandbox build|ls|gc"),

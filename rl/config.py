@@ -128,32 +128,44 @@ class RolloutSection(_Section):
 
 
 class LearnerSection(_Section):
-    """Policy optimisation: algorithm, optimiser, loss, advantages and micro-batching."""
+    """Policy optimisation (rl/learner/, docs/learner.md): advantages, loss, off-policy correction, optimiser,
+    packing and data parallelism."""
 
-    algorithm: Literal["grpo", "ppo"] = "grpo"
-    steps: int = Field(100, ge=1)
+    advantage: Literal["grpo", "rloo", "gae"] = "grpo"  # group mean baseline | leave-one-out | PPO (value)
+    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    steps: int = Field(100, ge=1)  # policy steps (Learner.step calls); sizes the lr schedule
     lr: float = Field(1e-5, gt=0.0)
-    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up, per optimizer step
+    warmup_steps: int = Field(0, ge=0)  # optimizer steps of linear warm-up
     weight_decay: float = Field(0.0, ge=0.0)
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = Field(1.0, gt=0.0)  # max global grad norm
-    group_size: int = Field(8, ge=1)  # GRPO: episodes per task (the advantage baseline group)
-    scale_rewards: Literal["group", "batch", "none"] = "group"  # std-normalisation of GRPO advantages
+    group_size: int = Field(8, ge=1)  # grpo/rloo: episodes per task (the advantage baseline group)
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # std-normalisation of group advantages
+    turn_credit: bool = False  # grpo/rloo: per-turn rewards as discounted returns-to-go on their own turn
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0)  # ratio clipped to [1 - low, 1 + high]
-    clip_eps_high: float = Field(0.28, gt=0.0)
-    kl_coef: float = Field(0.0, ge=0.0)
+    clip_eps_high: float = Field(0.28, gt=0.0)  # cispo: the IS weight is capped at 1 + high
+    kl_coef: float = Field(0.0, ge=0.0)  # KL to the frozen initial policy; 0 = no reference model
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0.0)
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    overlong_filter: bool = False  # DAPO: truncated episodes are kept out of the loss
     tis_cap: float | None = Field(2.0, gt=0.0)  # truncated IS weight cap (rollout vs learner); None = off
+    mis_band: list[float] | None = None  # [lo, hi]: mask where the learner/rollout ratio leaves the band
+    mis_level: Literal["token", "sequence"] = "token"  # what mis_band masks: single tokens or whole episodes
     routing_replay: bool = True  # R3: replay the rollout's expert choices in the learner forward
     ppo_epochs: int = Field(1, ge=1)
-    num_minibatches: int = Field(1, ge=1)  # optimizer steps per policy step
-    gamma: float = Field(1.0, ge=0.0, le=1.0)  # PPO / GAE
+    num_minibatches: int = Field(1, ge=1)  # optimizer steps per epoch of a policy step
+    gamma: float = Field(1.0, ge=0.0, le=1.0)  # gae: token discount; turn_credit: turn discount
     gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
+    value_model: Literal["head", "critic"] = "head"  # gae: value head on the policy trunk | separate critic
+    critic_preset: str | None = None  # critic: model preset; None = a copy of the policy's initial trunk
     value_coef: float = Field(0.5, ge=0.0)
     value_clip: float = Field(0.2, gt=0.0)
-    micro_batch_tokens: int = Field(16384, ge=1)  # packed tokens per forward/backward
-    seed: int = 0
+    micro_batch_tokens: int = Field(16384, ge=1)  # packed tokens per forward/backward (longer: alone)
+    activation_checkpointing: bool = False  # per decoder layer: recompute activations in the backward
+    num_ranks: int = Field(1, ge=1)  # data-parallel learner ranks (LearnerGroup)
+    seed: int = 0  # model init and minibatch order
 
     @field_validator("betas")
     @classmethod
@@ -162,14 +174,54 @@ class LearnerSection(_Section):
             raise ValueError(f"betas must be two numbers in [0, 1), e.g. [0.9, 0.95]; got {v}")
         return v
 
+    @field_validator("mis_band")
+    @classmethod
+    def _mis_band(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (len(v) != 2 or not 0.0 <= v[0] < 1.0 < v[1]):
+            raise ValueError(
+                f"mis_band must be [lo, hi] with 0 <= lo < 1 < hi, e.g. [0.5, 2.0], or null; got {v}"
+            )
+        return v
+
 
 class OrchestratorSection(_Section):
-    """The training loop: off-policy bound, checkpoints, resumption."""
+    """The training loop (rl/train/, docs/training.md): placement, sync/async, groups, buffer, weight sync,
+    checkpoints, evaluation."""
 
-    max_staleness: int = Field(1, ge=0)  # policy versions a trajectory may lag behind the learner
+    # placement: Ray resources of one actor each, e.g. {CPU: 1} or {CPU: 1, GPU: 1, rollout_node: 0.01}
+    rollout_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    learner_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    # sync / async: policy versions a trajectory may lag behind the learner; 0 = on-policy
+    max_staleness: int = Field(1, ge=0)
+    # groups and failures
+    max_infra_retries: int = Field(1, ge=0)  # re-runs of an infra-failed episode before it is masked
+    max_worker_restarts: int = Field(4, ge=0)  # dead rollout workers replaced during a run, in all
+    dynamic_sampling: bool = False  # DAPO: draw more groups until the batch has only non-zero-variance ones
+    dynamic_sampling_cap: float = Field(3.0, ge=1.0)  # most groups drawn per step, x the batch's groups
+    # experience buffer
+    buffer_order: Literal["fifo", "length", "freshness", "priority"] = "fifo"
+    # weight sync
+    weight_sync_timeout_s: float = Field(300.0, gt=0.0)
+    # checkpoints
     checkpoint_every: int = Field(50, ge=0)  # learner steps; 0 = only at the end
     keep_checkpoints: int = Field(3, ge=1)
     resume: bool = True  # continue from the latest checkpoint in logging.run_dir
+    # evaluation on held-out tasks
+    eval_every: int = Field(0, ge=0)  # learner steps between evaluations; 0 = none during training
+    eval_episodes: int = Field(32, ge=1)  # sampled episodes per evaluation (+ one greedy per task)
+    eval_pass_k: int = Field(4, ge=1)  # samples per held-out task: pass@1 and pass@k
+    eval_difficulties: list[int] | None = None  # evaluate at each of these env difficulties; None = env's
+
+    @field_validator("rollout_resources", "learner_resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: x for k, x in v.items() if not x >= 0}
+        if bad:
+            raise ValueError(f"resource amounts must be >= 0, got {bad}")
+        low = {k for k in v if k.lower() in ("cpu", "gpu") and k not in ("CPU", "GPU")}
+        if low:
+            raise ValueError(f"Ray spells the built-in resources CPU and GPU; got {sorted(low)}")
+        return v
 
 
 class WarmupSection(_Section):
@@ -208,6 +260,7 @@ class RunConfig(_Section):
     def _meaning(self) -> RunConfig:
         problems = (
             _budget_problems(self)
+            + _orchestrator_problems(self.orchestrator)
             + _model_problems(self.model)
             + _reward_problems(self.rewards)
             + _env_problems(self.env)
@@ -233,24 +286,53 @@ def _budget_problems(c: RunConfig) -> list[str]:
             f"rollout.max_new_tokens ({r.max_new_tokens}) exceeds rollout.max_tokens ({r.max_tokens}), the "
             "whole-episode budget; lower max_new_tokens or raise max_tokens"
         )
-    if lr.micro_batch_tokens < r.max_tokens:
-        out.append(
-            f"learner.micro_batch_tokens ({lr.micro_batch_tokens}) < rollout.max_tokens ({r.max_tokens}): "
-            "a whole trajectory must fit in one packed micro-batch; raise learner.micro_batch_tokens"
-        )
-    if lr.algorithm == "grpo":
+    if lr.advantage in ("grpo", "rloo"):
         if lr.group_size < 2:
             out.append(
-                f"learner.group_size ({lr.group_size}) must be >= 2 for grpo (advantages are relative "
-                "to the group); use 2 or more, or learner.algorithm=ppo"
+                f"learner.group_size ({lr.group_size}) must be >= 2 for {lr.advantage} (advantages are "
+                "relative to the group); use 2 or more, or learner.advantage=gae"
             )
         elif r.episodes % lr.group_size:
             fit = lr.group_size * max(1, r.episodes // lr.group_size)
             out.append(
                 f"rollout.episodes ({r.episodes}) must be a multiple of learner.group_size "
-                f"({lr.group_size}) for grpo; e.g. rollout.episodes={fit}"
+                f"({lr.group_size}) for {lr.advantage}; e.g. rollout.episodes={fit}"
             )
+    elif lr.turn_credit:
+        out.append(
+            "learner.turn_credit applies to grpo/rloo; with advantage=gae per-turn rewards already land on "
+            "their turn's tokens. Set learner.turn_credit=false"
+        )
+    if lr.critic_preset is not None:
+        if lr.advantage != "gae" or lr.value_model != "critic":
+            out.append(
+                "learner.critic_preset is only read with learner.advantage=gae and "
+                "learner.value_model=critic; remove it or set both"
+            )
+        else:
+            out += _critic_preset_problems(lr.critic_preset)
     return out
+
+
+def _orchestrator_problems(o: OrchestratorSection) -> list[str]:
+    out = []
+    if o.eval_episodes % o.eval_pass_k:
+        fit = o.eval_pass_k * max(1, o.eval_episodes // o.eval_pass_k)
+        out.append(
+            f"orchestrator.eval_episodes ({o.eval_episodes}) must be a multiple of orchestrator.eval_pass_k "
+            f"({o.eval_pass_k}): each held-out task is sampled eval_pass_k times; e.g. eval_episodes={fit}"
+        )
+    return out
+
+
+def _critic_preset_problems(preset: str) -> list[str]:
+    try:
+        from model.config import PRESETS
+    except ImportError:
+        return []
+    if preset in PRESETS:
+        return []
+    return [f"learner.critic_preset: unknown preset {preset!r} (choose from {', '.join(sorted(PRESETS))})"]
 
 
 def _closest(word: str, options: Sequence[str]) -> str | None:

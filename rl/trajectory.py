@@ -2,7 +2,8 @@
 
 The record types (`Trajectory`, `TurnSpan`, `StepInfo`) live in envs/trajectory.py, a numpy-only leaf
 that envs/, rewards/ and rl/ all import; they are re-exported here, so `from rl.trajectory import
-Trajectory, TurnSpan, TrajectoryStore` keeps working.
+Trajectory, TurnSpan, TrajectoryStore` keeps working. Schema 3 adds the `token_versions` column (the
+policy version that sampled each generated token); stores of schema 1 read with `token_versions=None`.
 
 `TrajectoryStore(dir)` appends batches of trajectories as Arrow IPC *file* format files, one
 file per `append` call. Each file is written to a hidden temporary name in the same directory,
@@ -28,7 +29,9 @@ import pyarrow as pa
 
 from envs.trajectory import ROLES, StepInfo, Trajectory, TurnSpan
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "3"
+#: schema versions this code reads: "1" lacks the token_versions column (read as None)
+READABLE_SCHEMA_VERSIONS = ("1", "3")
 _VERSION_KEY = b"odyssey.trajectory.schema_version"
 
 # ---- Arrow schema ---------------------------------------------------------------------------------
@@ -54,6 +57,7 @@ SCHEMA = pa.schema(
         ("turn_rewards", pa.list_(pa.float64())),
         ("policy_version", pa.int64()),  # copy of metadata["policy_version"] for cheap filtering
         ("metadata", pa.large_string()),  # JSON dict
+        ("token_versions", pa.large_list(pa.int32())),  # [T], null if absent (schema 3)
     ],
     metadata={_VERSION_KEY: SCHEMA_VERSION.encode()},
 )
@@ -132,6 +136,7 @@ def trajectories_to_batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
         pa.array([t.turn_rewards for t in trajs], type=pa.list_(pa.float64())),
         pa.array(pv, type=pa.int64()),
         pa.array([_dumps("metadata", t.metadata) for t in trajs], type=pa.large_string()),
+        _large_list([t.token_versions for t in trajs], pa.int32()),
     ]
     return pa.RecordBatch.from_arrays(cols, schema=SCHEMA)
 
@@ -146,7 +151,9 @@ def _decode_rows(batch: pa.RecordBatch, rows: Sequence[int]) -> Iterator[Traject
     if not rows:
         return
     c = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
-    flat = {k: _flat(c[k]) for k in ("tokens", "loss_mask", "rollout_logprobs", "routed_experts")}
+    arrays = ("tokens", "loss_mask", "rollout_logprobs", "routed_experts", "token_versions")
+    flat = {k: _flat(c[k]) for k in arrays if k in c}  # token_versions is absent before schema 3
+    versions_null = c["token_versions"].is_null().to_pylist() if "token_versions" in c else None
     py = {
         k: c[k].to_pylist()
         for k in c
@@ -174,6 +181,7 @@ def _decode_rows(batch: pa.RecordBatch, rows: Sequence[int]) -> Iterator[Traject
             rewards=dict(py["rewards"][r]),
             turn_rewards=py["turn_rewards"][r],
             metadata=json.loads(c["metadata"][r].as_py()),
+            token_versions=None if versions_null is None or versions_null[r] else arr("token_versions", r),
         )
 
 
@@ -278,10 +286,10 @@ class TrajectoryStore:
             )
             return None
         version = (reader.schema.metadata or {}).get(_VERSION_KEY)
-        if version != SCHEMA_VERSION.encode():
+        if version not in {v.encode() for v in READABLE_SCHEMA_VERSIONS}:
             raise ValueError(
-                f"{path}: trajectory schema version {version!r}, this code reads {SCHEMA_VERSION!r}; "
-                "read it with the Odyssey version that wrote it"
+                f"{path}: trajectory schema version {version!r}, this code reads "
+                f"{', '.join(READABLE_SCHEMA_VERSIONS)}; read it with the Odyssey version that wrote it"
             )
         return reader
 

@@ -39,3 +39,10 @@ def no_args() -> float:
 
 
 NOT_CALLABLE = 3
+
+
+def even_tokens(traj: Trajectory) -> float:
+    """Fraction of generated tokens with an even id: varies between samples of an untrained policy, so
+    GRPO groups of the training-loop tests have non-zero reward variance."""
+    gen = traj.tokens[traj.loss_mask.astype(bool)]
+    return float((gen % 2 == 0).mean()) if gen.size else 0.0

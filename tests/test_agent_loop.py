@@ -21,6 +21,7 @@ from model.modeling import OdysseyForCausalLM
 from model.tokenizer import encode_chat, load_tokenizer
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
 from rl.rollout.engine import GenerationResult, Session, TorchEngine
+from rl.rollout.tasks import Sample, Task, TaskStream
 from rl.rollout.worker import RolloutWorker, WorkerSettings
 from rl.trajectory import TrajectoryStore
 
@@ -208,9 +209,9 @@ def test_failures_give_marked_stored_trajectories(codec, tmp_path):
         return CrashingEnv(arith(), crash_on=plans[i][1] if plans[i][0] != "engine" else -1)
 
     worker = RolloutWorker(settings, engine=Router(), env_factory=factory, tokenizer=codec.tok)
-    worker.settings.seed = 0  # episode seeds 0, 1, 2 -> request ids "0:turn", "1:turn", "2:turn"
-    asyncio.run(worker.run([0, 1, 2]))
-    got = {t.metadata["episode_index"]: t for t in TrajectoryStore(store).read_all()}
+    # sample seeds 0, 1, 2 -> request ids "0:turn", "1:turn", "2:turn"
+    asyncio.run(worker.run([Sample(Task("train", i, seed=i), 0, seed=i) for i in range(3)]))
+    got = {t.metadata["task_index"]: t for t in TrajectoryStore(store).read_all()}
     assert sorted(got) == [0, 1, 2]
     step, reset, engine = got[0], got[1], got[2]
     assert "env died" in step.infra_error and step.n_assistant_turns == 2 and step.n_tokens > 0
@@ -295,11 +296,12 @@ def test_arith_in_real_sandbox_and_container_killed_mid_episode(codec, sandbox_p
     worker = RolloutWorker(
         settings, engine=ok_engine, env_factory=factory, sandbox_pool=sandbox_pool, tokenizer=codec.tok
     )
-    asyncio.run(worker.run([0]))
+    stream = TaskStream(base_seed=0)
+    asyncio.run(worker.run(stream.samples(stream.task(0), 1)))
     killer["armed"] = True
     worker.engine = KillAfterFirst(codec, oracle)
-    asyncio.run(worker.run([1]))
-    got = {t.metadata["episode_index"]: t for t in TrajectoryStore(store).read_all()}
+    asyncio.run(worker.run(stream.samples(stream.task(1), 1)))
+    got = {t.metadata["task_index"]: t for t in TrajectoryStore(store).read_all()}
     good, killed = got[0], got[1]
     assert good.outcome == 1.0 and good.rewards["total"] == 1.0 and good.infra_error is None
     assert good.step_infos[0]["tool_results"][0].strip().lstrip("-").isdigit()

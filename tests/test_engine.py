@@ -332,3 +332,62 @@ def test_generate_clears_busy_when_a_request_or_step_fails(model):
 
     r = eng.generate([GenerationRequest(_prompt(45, 5), p, session=session)])[0]
     assert r.session is session and len(r.token_ids) == 3 and not session.busy
+
+
+# ----------------------------------------------------------------------------- weight updates (issue 12)
+@pytest.fixture(scope="module")
+def other_model(model) -> OdysseyForCausalLM:
+    torch.manual_seed(1)
+    return OdysseyForCausalLM(model.config).eval()
+
+
+def _state(m: OdysseyForCausalLM) -> dict:
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def test_session_after_weight_update_is_rebuilt_with_new_weights(model, other_model):
+    """A session continued after update_weights never reuses its old-weights cache: turn 2 equals a
+    fresh engine on the new weights generating from the whole history (tokens, logprobs, the new
+    tokens' routing), and its tokens record the new version."""
+    eng = TorchEngine(OdysseyForCausalLM(model.config).eval())
+    eng.update_weights(_state(model), version=0)
+    t1 = eng.generate([GenerationRequest(_prompt(1, 30), SamplingParams(max_new_tokens=6, seed=1))])[0]
+    assert t1.token_versions == [0] * 6
+    eng.update_weights(_state(other_model), version=1)
+    obs = _prompt(2, 17)
+    p2 = SamplingParams(max_new_tokens=6, seed=2)
+    t2 = eng.generate([GenerationRequest(obs, p2, session=t1.session)])[0]
+    history = _prompt(1, 30) + t1.token_ids + obs
+    ref = TorchEngine(other_model).generate([GenerationRequest(history, p2)])[0]
+    stale = TorchEngine(model).generate([GenerationRequest(history, p2)])[0]
+    assert t2.token_ids == ref.token_ids and np.allclose(t2.logprobs, ref.logprobs, atol=1e-4)
+    assert not np.allclose(t2.logprobs, stale.logprobs, atol=1e-3)  # the two policies do differ
+    assert t2.prompt_len == len(obs)
+    assert np.array_equal(t2.prompt_routed_experts, ref.prompt_routed_experts[-len(obs) :])
+    assert t2.token_versions == [1] * 6 and t2.session.weight_version == 1
+    assert t2.session.num_tokens == len(history) + 6 == len(t2.session.token_ids)
+
+
+def test_update_mid_decode_continues_on_new_weights(model, other_model):
+    """A partial rollout: weights change after the 4th sampled token of a running sequence. Every token's
+    rollout logprob equals the full-forward logprob under the weights its version names (old weights
+    before the switch, new after: the running cache was rebuilt, not reused)."""
+    eng = TorchEngine(OdysseyForCausalLM(model.config).eval())
+    eng.update_weights(_state(model), version=0)
+    prompt = _prompt(3, 25)
+    seq = eng._new_seq(GenerationRequest(prompt, SamplingParams(max_new_tokens=10, seed=5)))
+    running, cache, _ = eng._step([], None, [seq])
+    while len(seq.tokens) < 4:
+        running, cache, _ = eng._step(running, cache, [])
+    eng.update_weights(_state(other_model), version=1)
+    while running:
+        running, cache, _ = eng._step(running, cache, [])
+    res = eng._result(seq)
+    assert res.token_versions == [0] * 4 + [1] * 6
+    ids = prompt + res.token_ids
+    by_version = {0: _full_forward(model, ids)[0], 1: _full_forward(other_model, ids)[0]}
+    P = len(prompt)
+    for i, (lp, v) in enumerate(zip(res.logprobs, res.token_versions)):
+        assert abs(by_version[v][P - 1 + i].item() - lp) < PARITY_TOL, (i, v)
+    assert abs(by_version[0][P + 6].item() - res.logprobs[7]) > 1e-3  # old weights would differ there
+    assert res.session.num_tokens == len(ids) and res.session.weight_version == 1

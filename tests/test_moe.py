@@ -370,3 +370,20 @@ def test_model_expert_load_metrics_per_layer(tiny):
     assert metrics["moe/max_mean_load_max"] == max(
         metrics[f"moe/layer{l}/max_mean_load"] for l in model.moe_layer_indices
     )
+
+
+def test_statistics_state_is_never_on_meta_after_from_pretrained(tmp_path):
+    """Regression: from_pretrained builds modules under a meta-device context; the expert-load counts and the
+    sign rule's counts are plain tensors (not buffers), so they stayed on meta and the first update_bias of
+    a model loaded with model.init_from failed under torch.distributed (the learner's all_reduce)."""
+    from model.balancing import SignStats
+    from model.modeling import OdysseyForCausalLM
+
+    cfg = OdysseyConfig.from_preset("tiny", num_hidden_layers=2, n_routed_experts=4)
+    OdysseyForCausalLM(cfg).save_pretrained(tmp_path)
+    loaded = OdysseyForCausalLM.from_pretrained(str(tmp_path))
+    trackers = [m.load_tracker for m in loaded.modules() if isinstance(m, LatentMoE)]
+    assert trackers and all(t._counts.device.type == "cpu" for t in trackers)
+    with torch.device("meta"):
+        stats = SignStats(4)
+    assert stats.counts.device.type == "cpu"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from rl.rollout.tasks import TaskStream
 from rl.rollout.worker import RolloutWorker, WorkerSettings
 from rl.trajectory import TrajectoryStore
 from tests.calc_oracle_engine import CalcOracleEngine
@@ -55,8 +56,12 @@ def test_cli_two_ray_workers(ray_session, docker_image, tmp_path):
     )
     assert rc == 0
     trajs = TrajectoryStore(run_dir / "trajectories").read_all()
-    assert sorted(t.metadata["episode_index"] for t in trajs) == [0, 1, 2, 3]
-    assert {t.metadata["worker_id"] for t in trajs} == {0, 1}
+    # the first 4 samples of the training stream: tasks 0 and 1, group_size (tiny.yaml: 4) -> 4 of task 0
+    assert sorted(t.metadata["sample_key"] for t in trajs) == [f"train/0/{j}" for j in range(4)]
+    assert (
+        len({t.metadata["sample_seed"] for t in trajs}) == 4 and len({t.metadata["seed"] for t in trajs}) == 1
+    )
+    assert {t.metadata["worker_id"] for t in trajs} == {0, 1}  # a group spans workers
     assert all(t.infra_error is None and "total" in t.rewards and t.n_generated > 0 for t in trajs)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["episodes_stored"] == 4 and summary["workers"] == 2 and summary["worker_failures"] == []
@@ -80,8 +85,9 @@ def test_two_ray_workers_run_tools_in_docker(ray_session, docker_image, tmp_path
     )
     actor = ray.remote(num_cpus=1)(RolloutWorker)
     workers = [actor.remote(settings, i, engine=CalcOracleEngine()) for i in range(2)]
+    samples = TaskStream(base_seed=0).first_samples(4, group_size=1)
     try:
-        reports = ray.get([w.run.remote([i, i + 2]) for i, w in enumerate(workers)], timeout=300)
+        reports = ray.get([w.run.remote(samples[i::2]) for i, w in enumerate(workers)], timeout=300)
     finally:
         ray.get([w.close.remote() for w in workers], timeout=120)
         for w in workers:
@@ -95,19 +101,20 @@ def test_two_ray_workers_run_tools_in_docker(ray_session, docker_image, tmp_path
 
 
 class DyingRolloutWorker(RolloutWorker):
-    """A RolloutWorker actor that dies (os._exit, like an OOM kill) right after storing its first episode."""
+    """A RolloutWorker actor that dies (os._exit, like an OOM kill) during its second episode, after the
+    first one came back."""
 
-    async def run_one(self, index: int):
-        traj = await super().run_one(index)
-        os._exit(1)
-        return traj
+    async def run_one(self, sample):
+        if self._done >= 1:
+            os._exit(1)
+        return await super().run_one(sample)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dead_worker_is_replaced_and_nothing_is_lost(ray_session, docker_image, tmp_path):
-    """Worker 0 dies after its first episode: the failure is named, a new actor reruns exactly the
-    episodes missing from the store, and every episode index is stored once."""
+    """Worker 0 dies during its second episode: the failure is named, a new actor reruns the episode it
+    held, and every sample is stored exactly once."""
     import io
 
     import ray
@@ -123,18 +130,20 @@ def test_dead_worker_is_replaced_and_nothing_is_lost(ray_session, docker_image, 
         concurrency=1,
         sandbox_pool_size=1,
     )
+    spawned: list[int] = []
 
-    def factory(i: int, attempt: int):
-        cls = DyingRolloutWorker if (i, attempt) == (0, 0) else RolloutWorker
+    def factory(i: int):
+        cls = DyingRolloutWorker if i == 0 and i not in spawned else RolloutWorker
+        spawned.append(i)
         return ray.remote(num_cpus=1, max_restarts=0)(cls).remote(settings, i, engine=CalcOracleEngine())
 
-    report, failures = run_on_ray(settings, 6, 2, Console(file=io.StringIO()), actor_factory=factory)
-    idx = sorted(t.metadata["episode_index"] for t in TrajectoryStore(tmp_path / "store").read_all())
-    assert idx == list(range(6))
-    assert (
-        len(failures) == 1 and failures[0].startswith("worker 0 failed") and "rerunning its 2" in failures[0]
-    )
-    assert report.episodes == 5  # worker 1 (3) + worker 0's replacement (2); the first one is in the store
+    samples = TaskStream(base_seed=0).first_samples(6, group_size=2)
+    report, failures = run_on_ray(settings, samples, 2, Console(file=io.StringIO()), actor_factory=factory)
+    keys = sorted(t.metadata["sample_key"] for t in TrajectoryStore(tmp_path / "store").read_all())
+    assert keys == sorted(s.key for s in samples)  # every sample once: none lost, none duplicated
+    assert len(failures) == 1 and failures[0].startswith("rollout worker 0 failed"), failures
+    assert "1 episodes re-queued" in failures[0] and "replaced" in failures[0]
+    assert spawned == [0, 1, 0] and report.episodes == 6
 
 
 def _free_port() -> int:
@@ -242,7 +251,7 @@ def test_local_run_job_and_local_run_compile_nothing(ray_head, tmp_path):
     run_dir, out = rollout("job")
     assert "rollout summary" in out and "succeeded" in out
     trajs = TrajectoryStore(run_dir / "trajectories").read_all()
-    assert len(trajs) == 4 and {t.metadata["worker_id"] for t in trajs} == {0, 1}
+    assert len(trajs) == 4 and {t.metadata["worker_id"] for t in trajs} <= {0, 1}
     assert all(t.infra_error is None and "total" in t.rewards for t in trajs)
     assert json.loads((run_dir / "summary.json").read_text())["episodes_stored"] == 4
     rollout("local-again")

@@ -290,3 +290,41 @@ def test_writer_killed_at_random_point_only_complete_files_visible(tmp_path):
     for k in range(0, len(got), 2):
         assert got[k].metadata["i"] == -got[k + 1].metadata["i"] - 1
         assert got[k].n_tokens == 50_016 and got[k].routed_experts.shape == (50_016, 2, 2)
+
+
+# ---- per-token policy versions (schema 3) ------------------------------------------------------
+
+
+def _versioned(seed: int = 0) -> Trajectory:
+    """A partial rollout: generated tokens of versions 4 then 5 (a weight update mid-episode)."""
+    t = _rich_traj(seed)
+    v = np.full(t.n_tokens, -1, np.int32)
+    gen = np.flatnonzero(t.loss_mask)
+    v[gen] = np.where(np.arange(gen.size) < gen.size // 2, 4, 5)
+    t.token_versions = v
+    return Trajectory(**{f: getattr(t, f) for f in t.__dataclass_fields__})
+
+
+def test_token_versions_roundtrip_and_oldest_version(tmp_path):
+    t = _versioned()
+    assert t.oldest_version == 4 and _rich_traj(0).oldest_version == 1  # no column: metadata's version
+    TrajectoryStore(tmp_path).append([t, _rich_traj(1)])
+    back = TrajectoryStore(tmp_path).read_all()
+    assert_traj_equal(back[0], t)
+    assert back[1].token_versions is None
+    with pytest.raises(ValueError, match="token_versions must have shape"):
+        Trajectory(tokens=[1, 2], loss_mask=[0, 0], rollout_logprobs=[0.0, 0.0], token_versions=[1])
+
+
+def test_schema_1_store_is_still_read(tmp_path):
+    """A store written before schema 3 (no token_versions column, version "1") reads back unchanged,
+    with token_versions None."""
+    old = pa.schema(list(SCHEMA)[:-1], metadata={b"odyssey.trajectory.schema_version": b"1"})
+    t = _rich_traj(0)
+    batch = trajectories_to_batch([t])
+    batch = pa.RecordBatch.from_arrays(batch.columns[:-1], schema=old)
+    with pa.ipc.new_file(str(tmp_path / "0-old.arrow"), old) as w:
+        w.write_batch(batch)
+    (back,) = TrajectoryStore(tmp_path).read_all()
+    assert_traj_equal(back, t)
+    assert back.token_versions is None

@@ -77,6 +77,11 @@ def assert_traj_equal(a: Trajectory, b: Trajectory) -> None:
     else:
         assert b.routed_experts.dtype == np.uint16
         np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+    if a.token_versions is None:
+        assert b.token_versions is None
+    else:
+        assert b.token_versions.dtype == np.int32
+        np.testing.assert_array_equal(a.token_versions, b.token_versions)
     for name in (
         "turns",
         "step_infos",

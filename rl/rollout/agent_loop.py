@@ -14,11 +14,16 @@ History is never re-tokenised: the trajectory's tokens are exactly the ids fed t
 the engine, in order. The chat-format invariant of model/tokenizer.py makes them equal to the ids of
 rendering the whole conversation, so the trainer sees the same sequence the policy saw.
 
-Per token: loss_mask 1 and rollout_logprobs on sampled tokens (NaN elsewhere); routed_experts for
-every fed token (prompt, observations and generated ones: R3 replays the whole sequence).
+Per token: loss_mask 1, rollout_logprobs and token_versions (the weights version that sampled it) on
+sampled tokens (NaN / -1 elsewhere); routed_experts for every fed token (prompt, observations and
+generated ones: R3 replays the whole sequence). A weight update during the episode (async training)
+lets it continue on the new weights: the engine rebuilds its cache, the trajectory records both versions.
 The decoded conversation goes to `metadata["messages"]` (the env's prompt messages, each assistant
 turn's text, each observation message; `metadata["n_prompt_messages"]` of them are the prompt), so
 reward functions read text without a tokenizer (rewards/text.py).
+
+Seeds: `seed` is the task's (env.reset); `sample_seed` (default: `seed`) seeds the sampling, so several
+samples of one task (a GRPO group) draw different completions of the same problem.
 
 Failures never lose an episode: a SandboxError the env reports (info["infra_error"]), an exception
 from env.reset/step or from the engine, all end the episode with `Trajectory.infra_error` set and
@@ -70,6 +75,7 @@ class ChatCodec:
 
         self.tok = tokenizer
         self._tk = tk
+        self.fingerprint = tk.tokenizer_fingerprint(tokenizer)  # recorded in every trajectory's metadata
         self.eot_id = int(tk.end_of_turn_id(tokenizer))
         self.stop_ids = tuple(int(i) for i in tk.stop_token_ids(tokenizer) if i is not None)
         close = tokenizer.encode(tk.TOOL_CALL_END, add_special_tokens=False)
@@ -108,13 +114,19 @@ class _Builder:
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.routed: list[np.ndarray | None] = []
+        self.versions: list[int] = []
         self.turns: list[TurnSpan] = []
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def add(
-        self, role: str, ids: list[int], logprobs: list[float] | None = None, routed: np.ndarray | None = None
+        self,
+        role: str,
+        ids: list[int],
+        logprobs: list[float] | None = None,
+        routed: np.ndarray | None = None,
+        versions: list[int] | None = None,
     ) -> None:
         if not ids:
             return
@@ -122,6 +134,7 @@ class _Builder:
         self.tokens += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [math.nan] * len(ids)
+        self.versions += list(versions) if versions is not None else [-1] * len(ids)
         self.routed.append(routed)
         last = self.turns[-1] if self.turns else None
         if last is not None and last.role == role and last.end == start:
@@ -171,16 +184,23 @@ async def run_episode(
     cfg: EpisodeConfig,
     *,
     seed: int,
+    sample_seed: int | None = None,
+    reset_options: dict | None = None,
     metadata: dict | None = None,
 ) -> Trajectory:
     """Play one episode of `env` with `engine` and return its Trajectory (never raises for env,
-    sandbox or engine failures: they come back as `infra_error`)."""
+    sandbox or engine failures: they come back as `infra_error`).
+
+    seed: the task (`env.areset(seed=seed, options=reset_options)`); sample_seed: the sampling draws
+    (default `seed`)."""
     t0 = time.perf_counter()
     b = _Builder()
+    draw = int(seed if sample_seed is None else sample_seed)
     meta: dict[str, Any] = {
         "seed": int(seed),
         "policy_version": int(engine.weight_version),
         "env_id": getattr(env, "env_id", type(env).__name__),
+        "tokenizer": codec.fingerprint,
         **(metadata or {}),
     }
     step_infos: list[StepInfo] = []
@@ -189,7 +209,7 @@ async def run_episode(
     stop_ids, stop_strs = codec.stops(cfg.stop_on_tool_call)
     session: Session | None = None
     try:
-        messages, info = await env.areset(seed=seed)
+        messages, info = await env.areset(seed=seed, options=reset_options)
         meta["task_id"] = info.get("task_id")
         convo = [dict(m) for m in messages]  # the decoded conversation, for rewards (rewards/text.py)
         meta.update(messages=convo, n_prompt_messages=len(convo))
@@ -209,12 +229,12 @@ async def run_episode(
                 max_new_tokens=min(cfg.max_new_tokens, budget),
                 stop_token_ids=stop_ids,
                 stop_strings=stop_strs,
-                seed=hash((int(seed), turn)) & 0x7FFFFFFF,
+                seed=hash((draw, turn)) & 0x7FFFFFFF,
             )
             prompt_ids = [t for _, ids in pending for t in ids]
             try:
                 res = await engine.agenerate(
-                    GenerationRequest(prompt_ids, params, session, request_id=f"{seed}:{turn}")
+                    GenerationRequest(prompt_ids, params, session, request_id=f"{draw}:{turn}")
                 )
             except Exception as e:  # engine failure: the pending tokens were never seen
                 infra = f"engine: {_err(e)}"
@@ -225,7 +245,14 @@ async def run_episode(
             ):
                 b.add(role, ids, routed=r)
             pending = []
-            b.add("assistant", res.token_ids, logprobs=res.logprobs, routed=res.routed_experts)
+            versions = list(getattr(res, "token_versions", None) or [res.weight_version] * len(res.token_ids))
+            b.add(
+                "assistant",
+                res.token_ids,
+                logprobs=res.logprobs,
+                routed=res.routed_experts,
+                versions=versions,
+            )
             finish_reasons.append(res.finish_reason)
             turn += 1
             gen = list(res.token_ids)
@@ -282,4 +309,5 @@ async def run_episode(
         truncated=bool(truncated) and infra is None,
         infra_error=infra,
         metadata=meta,
+        token_versions=np.asarray(b.versions, dtype=np.int32),
     )

@@ -8,25 +8,28 @@
 1. Load and validate the run config (rl/config.py) with the overrides; every problem is listed, exit 2.
 2. Make the run dir `<logging.run_dir>/rollout-<UTC time>` (or --run-dir): the resolved `config.yaml`,
    the trajectory store `trajectories/` (Arrow, rl/trajectory.py) and `summary.json`.
-3. Ray: join the cluster when RAY_ADDRESS is set (as in `ray job submit`), otherwise start an embedded
+3. The episodes: the first N samples of the training task stream (rl/rollout/tasks.py), task by task,
+   `learner.group_size` samples per task (so the store holds whole GRPO groups).
+4. Ray: join the cluster when RAY_ADDRESS is set (as in `ray job submit`), otherwise start an embedded
    one (RAY_AUTH_MODE=disabled, no dashboard). `rollout.num_workers` RolloutWorker actors (1 CPU each)
-   get the episode indices round-robin; each runs `rollout.concurrent_episodes` at once on its own
-   engine and sandbox pool, scores with the configured rewards and appends to the store as episodes
-   finish. `--no-ray` runs one worker in this process instead.
-4. A progress bar (plain log lines when stdout is not a terminal), then the summary table.
+   draw samples from one queue (rl/rollout/dispatch.py), each running `rollout.concurrent_episodes` at
+   once on its own engine and sandbox pool and scoring with the configured rewards; this process
+   appends every finished episode to the store. `--no-ray` runs one worker in this process instead.
+5. A progress bar (plain log lines when stdout is not a terminal), then the summary table.
 
-A worker that dies (actor killed, OOM) is named in the output and replaced once by a fresh actor that
-reruns exactly its episodes missing from the store, with the same seeds. The summary is computed from
-the store, so it counts every stored episode. Trajectories are written by the workers: on a multi-node
-cluster the run dir must be on a shared filesystem. Exit code: 0 when every episode is in the store
-(infra-failed episodes are stored, marked and counted, not fatal), 1 when some are missing, 2 on a bad
-config or arguments.
+An infra-failed episode is re-run once (same seeds); if it fails again it is stored marked. A worker
+that dies (actor killed, OOM) is named in the output and replaced by a fresh actor; the episodes it held
+are re-run with the same seeds, so every sample is stored exactly once. Only this process writes the
+run dir: workers on other nodes need no shared filesystem. Exit code: 0 when every episode is in the
+store (infra-failed episodes are stored, marked and counted, not fatal), 1 when some are missing, 2 on
+a bad config or arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -37,6 +40,7 @@ from typing import Any
 from rich.console import Console
 
 from rl.rollout.summary import RolloutProgress, report_from_dict, report_from_store, summary_table
+from rl.rollout.tasks import Sample, TaskStream
 from rl.rollout.worker import RolloutWorker, WorkerReport, WorkerSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -95,11 +99,12 @@ def cli_main(argv: list[str]) -> int:
         highlight=False,
     )
     t0 = time.perf_counter()
+    samples = TaskStream(cfg.rollout.seed, "train").first_samples(n, cfg.learner.group_size)
     try:
         if args.no_ray:
-            report, failures = asyncio.run(_run_local(settings, n, console)), []
+            report, failures = asyncio.run(_run_local(settings, samples, console)), []
         else:
-            report, failures = run_on_ray(settings, n, workers, console)
+            report, failures = run_on_ray(settings, samples, workers, console)
     except KeyboardInterrupt:
         err.print("odyssey rollout: interrupted; finished episodes are in the store", highlight=False)
         return 130
@@ -136,11 +141,11 @@ def cli_main(argv: list[str]) -> int:
     return 1 if missing else 0
 
 
-async def _run_local(settings: WorkerSettings, n: int, console: Console) -> WorkerReport:
+async def _run_local(settings: WorkerSettings, samples: list[Sample], console: Console) -> WorkerReport:
     worker = RolloutWorker(settings, 0)
-    task = asyncio.ensure_future(worker.run(list(range(n))))
+    task = asyncio.ensure_future(worker.run(samples))
     try:
-        with RolloutProgress(n, console) as prog:
+        with RolloutProgress(len(samples), console) as prog:
             while not task.done():
                 await asyncio.wait([task], timeout=0.5)
                 p = await worker.progress()
@@ -150,9 +155,9 @@ async def _run_local(settings: WorkerSettings, n: int, console: Console) -> Work
         await worker.close()
 
 
-def _init_ray(num_workers: int) -> bool:
-    """Join RAY_ADDRESS (set by `ray job submit`, or by hand: RAY_ADDRESS=auto) or start an embedded Ray;
-    True when we started it (and must shut it down)."""
+def init_ray(num_cpus: int) -> bool:
+    """Join RAY_ADDRESS (set by `ray job submit`, or by hand: RAY_ADDRESS=auto) or start an embedded Ray
+    with at least `num_cpus` logical CPUs; True when we started it (and must shut it down)."""
     import ray
 
     if ray.is_initialized():
@@ -164,7 +169,7 @@ def _init_ray(num_workers: int) -> bool:
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     ray.init(
         address="local",  # always a new embedded cluster (never silently join a `ray start` one)
-        num_cpus=max(os.cpu_count() or 1, num_workers),
+        num_cpus=max(os.cpu_count() or 1, num_cpus),
         include_dashboard=False,
         logging_level="WARNING",
         runtime_env={
@@ -178,117 +183,71 @@ def _init_ray(num_workers: int) -> bool:
     return True
 
 
-def _stored_indices(store_dir: Path) -> set[int]:
-    from rl.trajectory import TrajectoryStore
-
-    if not store_dir.exists():
-        return set()
-    return {
-        int(t.metadata["episode_index"]) for t in TrajectoryStore(store_dir) if "episode_index" in t.metadata
-    }
-
-
 def run_on_ray(
     settings: WorkerSettings,
-    n: int,
+    samples: list[Sample],
     num_workers: int,
     console: Console,
-    actor_factory: Callable[[int, int], Any] | None = None,
-    max_restarts: int = 1,
+    actor_factory: Callable[[int], Any] | None = None,
+    max_restarts: int | None = None,
+    max_infra_retries: int = 1,
+    actor_options: dict[str, Any] | None = None,
 ) -> tuple[WorkerReport, list[str]]:
-    """Episodes 0..n-1 round-robin over `num_workers` RolloutWorker actors, with a progress display.
+    """Run `samples` on `num_workers` RolloutWorker actors fed from one queue (rl/rollout/dispatch.py),
+    append each finished episode to `settings.store_dir` from this process, show progress.
 
-    A worker that dies (actor killed, OOM, crash) is reported by name and replaced by a fresh actor (at
-    most `max_restarts` times per worker) that reruns exactly its episodes missing from the store, with
-    the same seeds. actor_factory(worker_id, attempt) -> actor handle (default: a 1-CPU RolloutWorker).
-    Returns the merged report of the workers that finished and the failure messages.
+    An infra-failed episode is re-run up to `max_infra_retries` times (its failed attempts are counted,
+    the last attempt is stored marked). A worker that dies is named and replaced (at most `max_restarts`
+    times in all, default one per worker); the episodes it held are re-run with the same seeds, so every
+    sample is stored exactly once. actor_factory(worker_id) -> actor (default: a 1-CPU RolloutWorker
+    with `actor_options`). Returns the report of the stored episodes and the failure messages.
     """
     import ray
 
-    started = _init_ray(num_workers)
+    from rl.rollout.dispatch import Dispatcher
+    from rl.trajectory import TrajectoryStore
+
+    started = init_ray(num_workers)
+    actor_settings = dataclasses.replace(settings, store_dir=None)  # the driver stores: no shared disk
     if actor_factory is None:
-        actor_cls = ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker)
+        actor_cls = ray.remote(RolloutWorker).options(
+            **{"num_cpus": 1, "max_restarts": 0, **(actor_options or {})}
+        )
 
-        def actor_factory(i: int, attempt: int) -> Any:
-            return actor_cls.remote(settings, i)
+        def actor_factory(i: int) -> Any:
+            return actor_cls.remote(actor_settings, i)
 
-    store_dir = Path(settings.store_dir) if settings.store_dir else None
-    actors = {i: actor_factory(i, 0) for i in range(num_workers)}
-    attempts = dict.fromkeys(actors, 0)
-    splits = {i: list(range(i, n, num_workers)) for i in range(num_workers)}
-    assigned = {i: len(v) for i, v in splits.items()}
-    refs = {actors[i].run.remote(splits[i]): i for i in range(num_workers) if splits[i]}
-    report, failures = WorkerReport(workers=0), []
-    last: dict[int, dict[str, Any]] = {}  # latest progress per worker (attempts summed in `base`)
-    base: dict[int, dict[str, Any]] = {}
-    polls: dict[int, Any] = {i: a.progress.remote() for i, a in actors.items()}  # never blocks the bar
-    dead: list[Any] = []
+    def spawn(i: int) -> tuple[Any, Any]:
+        actor = actor_factory(i)
+        return actor, actor.ping.remote()
+
+    store = TrajectoryStore(settings.store_dir) if settings.store_dir else None
+    report = WorkerReport(workers=num_workers)
+    t0 = time.perf_counter()
+    dispatcher = Dispatcher(
+        spawn,
+        num_workers,
+        settings.concurrency,
+        max_infra_retries=max_infra_retries,
+        max_restarts=num_workers if max_restarts is None else max_restarts,
+        env_id=settings.env_id,
+        log=lambda m: console.print(f"odyssey rollout: {m}", highlight=False, markup=False),
+    )
     try:
-        with RolloutProgress(n, console) as prog:
-            pending = list(refs)
-            while pending:
-                ready, pending = ray.wait(pending, num_returns=1, timeout=0.5)
-                for ref in ready:
-                    i = refs.pop(ref)
-                    polls.pop(i, None)
-                    try:
-                        rep = report_from_dict(ray.get(ref))
-                    except Exception as e:  # RayTaskError / RayActorError: name the worker, keep the rest
-                        msg = str(e).strip().splitlines()[-1][:500] if str(e).strip() else ""
-                        failures.append(f"worker {i} failed ({type(e).__name__}: {msg})")
-                        missing = sorted(
-                            set(splits[i]) - (_stored_indices(store_dir) if store_dir else set())
-                        )
-                        if missing and attempts[i] < max_restarts:
-                            attempts[i] += 1
-                            failures[-1] += (
-                                f"; rerunning its {len(missing)} unfinished episodes on a new actor"
-                            )
-                            dead.append(actors[i])
-                            prev = last.pop(i, {})
-                            base[i] = {
-                                "done": assigned[i] - len(missing),
-                                "generated_tokens": base.get(i, {}).get("generated_tokens", 0)
-                                + prev.get("generated_tokens", 0),
-                                "infra_errors": base.get(i, {}).get("infra_errors", 0)
-                                + prev.get("infra_errors", 0),
-                            }
-                            splits[i] = missing
-                            actors[i] = actor_factory(i, attempts[i])
-                            new = actors[i].run.remote(missing)
-                            refs[new] = i
-                            pending.append(new)
-                            polls[i] = actors[i].progress.remote()
-                        elif missing:
-                            failures[-1] += f"; {len(missing)} of its episodes are not in the store"
+        dispatcher.put(samples)
+        with RolloutProgress(len(samples), console) as prog:
+            while not dispatcher.idle:
+                for f in dispatcher.poll(timeout=0.5):
+                    if not f.final:
                         continue
-                    report = report.merge(rep)
-                    last[i] = {
-                        "done": rep.episodes,
-                        "generated_tokens": rep.generated_tokens,
-                        "infra_errors": rep.infra_errors,
-                    }
-                for i, ref in list(polls.items()):
-                    if ray.wait([ref], timeout=0)[0]:
-                        try:
-                            last[i] = ray.get(ref)
-                            polls[i] = actors[i].progress.remote()
-                        except Exception:  # a dead actor: its run ref reports the failure
-                            polls.pop(i)
-                totals = [
-                    sum(d.get(k, 0) for d in (*last.values(), *base.values()))
-                    for k in ("done", "generated_tokens", "infra_errors")
-                ]
-                prog.update(*totals)
+                    if store is not None:
+                        store.append(f.traj)
+                    report.add(f.traj)
+                prog.update(report.episodes, report.generated_tokens, report.infra_errors)
     finally:
-        for a in actors.values():
-            try:
-                ray.get(a.close.remote(), timeout=60)
-            except Exception:
-                pass
-            ray.kill(a)
-        for a in dead:
-            ray.kill(a)
+        dispatcher.close()
         if started:
             ray.shutdown()
-    return report, failures
+    report.wall_s = time.perf_counter() - t0
+    report.infra_retries = dispatcher.infra_retries
+    return report, list(dispatcher.failures)

@@ -14,6 +14,13 @@ whole conversation so far (prompt + generated tokens, the last generated token i
 next turn's request carries only the new tokens and nothing is re-run. A session's cache is tied to
 the weights it was computed with (`Session.weight_version`).
 
+Weight updates (`update_weights`, between decode steps) never let a cache computed with old weights
+be reused: a session continued after an update, and a sequence still decoding when the update lands
+(a partial rollout), are re-prefilled from their token history (`Session.token_ids`) with the new
+weights before their next token is sampled. Every sampled token records the version of the weights
+whose logits it was drawn from (`GenerationResult.token_versions`); recorded routing and log-probs
+of earlier tokens stay those of the weights that produced them.
+
 TorchEngine: OdysseyForCausalLM in fp32 (CPU or GPU), no padding anywhere:
 - prefill is packed (cu_seqlens) and chunked: at most `prefill_chunk_size` tokens per forward, with
   logits only at the positions that are sampled from, so a 100K-token observation never builds a
@@ -55,6 +62,7 @@ class Session:
     """Engine-side state of one conversation: the cache row holding every token fed so far.
 
     cache: model cache with one row (None until the first request). num_tokens: tokens it holds.
+    token_ids: those tokens, in order (to rebuild the cache after a weight update).
     next_logits [V]: next-token logits after the last fed token (lets a request with no new tokens
     continue). weight_version: the weights the cache was computed with.
     """
@@ -64,6 +72,7 @@ class Session:
     next_logits: torch.Tensor | None = None
     weight_version: int = 0
     busy: bool = False
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +97,7 @@ class GenerationResult:
     session: Session
     weight_version: int
     prompt_len: int = 0
+    token_versions: list[int] = field(default_factory=list)  # [n_new] weights version of each sampled token
 
 
 @runtime_checkable
@@ -125,6 +135,9 @@ class _Seq:
         "flushing",
         "last_logits",
         "future",
+        "versions",
+        "n_hist",
+        "cache_version",
     )
 
     def __init__(self, req: GenerationRequest, seed: int, new_session: Session):
@@ -143,12 +156,16 @@ class _Seq:
         self.flushing = False
         self.last_logits: torch.Tensor | None = self.session.next_logits if not self.todo else None
         self.future: asyncio.Future | None = None
+        self.versions: list[int] = []  # weights version of each sampled token
+        self.n_hist = 0  # leading tokens of `todo` re-fed from the session's history (stale cache)
+        self.cache_version = self.session.weight_version  # weights the sequence's cache was computed with
 
 
-def _cat_routing(parts: list[torch.Tensor]) -> np.ndarray | None:
+def _cat_routing(parts: list[torch.Tensor], skip: int = 0) -> np.ndarray | None:
+    """Concatenated routing rows, without the first `skip` (history re-fed after a weight update)."""
     if not parts:
         return None
-    r = torch.cat(parts, 0)
+    r = torch.cat(parts, 0)[skip:]
     return r.to(torch.int32).numpy().astype(np.uint16)
 
 
@@ -207,8 +224,8 @@ class TorchEngine:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Load new policy weights between decode steps (later steps use them). The keys must match the
-        model's state_dict exactly; nothing is loaded otherwise. Open sessions keep caches computed with
-        the old weights (`Session.weight_version` tells which)."""
+        model's state_dict exactly; nothing is loaded otherwise. Caches computed with the old weights
+        (open sessions, sequences mid-decode) are rebuilt from their tokens before they are used again."""
         expected = set(self.model.state_dict())
         missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
         if missing or unexpected:
@@ -324,11 +341,12 @@ class TorchEngine:
             token_ids=list(s.tokens),
             logprobs=list(s.logprobs),
             finish_reason=s.finish or "length",
-            prompt_routed_experts=_cat_routing(s.prompt_routed),
+            prompt_routed_experts=_cat_routing(s.prompt_routed, skip=s.n_hist),
             routed_experts=_cat_routing(s.routed),
             session=s.session,
             weight_version=self._version,
-            prompt_len=len(s.todo),
+            prompt_len=len(s.todo) - s.n_hist,
+            token_versions=list(s.versions),
         )
 
     def _forward(
@@ -351,8 +369,15 @@ class TorchEngine:
         """Prefill `joining`, then one decode step over everyone. Returns (running, batch cache, finished)."""
         finished: list[_Seq] = []
         with self._lock, torch.inference_mode():
+            for s in joining:  # a session continued after a weight update: re-feed its whole history
+                if s.cache is not None and s.cache_version != self._version:
+                    self._refeed_history(s)
+            if running and any(s.cache_version != self._version for s in running):
+                cache = self._rebuild_running(running, cache)
             if joining:
                 self._prefill(joining)
+                for s in joining:
+                    s.cache_version = self._version
                 firsts = [s for s in joining if s.params.max_new_tokens > 0]
                 for s in joining:
                     if s.params.max_new_tokens == 0:  # prefill only
@@ -400,14 +425,43 @@ class TorchEngine:
         sess = s.session
         sess.cache = cache_row
         sess.num_tokens += len(s.todo) + len(s.tokens)
+        sess.token_ids += s.todo + s.tokens
         sess.next_logits = next_logits
         sess.weight_version = self._version
+
+    def _refeed_history(self, s: _Seq) -> None:
+        """`s` continues a session whose cache predates the current weights: drop the cache and prefill
+        the session's tokens + the new ones instead (routing and prompt_len count only the new ones)."""
+        sess = s.session
+        s.n_hist = len(sess.token_ids)
+        s.todo = list(sess.token_ids) + s.todo
+        s.cache, s.last_logits = None, None
+        sess.cache, sess.next_logits, sess.token_ids, sess.num_tokens = None, None, [], 0
+
+    def _rebuild_running(self, running: list[_Seq], cache: Any) -> Any:
+        """Batch cache with the rows of sequences decoded under older weights recomputed from their tokens
+        (session history + this request's prompt + generated tokens but the last, which the next decode
+        step feeds). Fresh rows are kept as they are."""
+        stale = [i for i, s in enumerate(running) if s.cache_version != self._version]
+        probes = []
+        for i in stale:
+            s = running[i]
+            hist = list(s.session.token_ids) + s.todo + s.tokens[:-1]
+            probe = _Seq(GenerationRequest(hist), 0, Session(weight_version=self._version))
+            probes.append(probe)
+        self._prefill(probes)
+        rebuilt = dict(zip(stale, (p.cache for p in probes)))
+        rows = [rebuilt[i] if i in rebuilt else _select(cache, [i]) for i in range(len(running))]
+        for s in running:
+            s.cache_version = self._version
+        return _concat(rows)
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         tokens, lps = sample_tokens(logits, [s.params for s in seqs], [s.gen for s in seqs])
         for s, t, lp in zip(seqs, tokens.tolist(), lps.tolist()):
             s.tokens.append(t)
             s.logprobs.append(lp)
+            s.versions.append(self._version)
             p = s.params
             if t in p.stop_token_ids:
                 s.finish = "stop_token"

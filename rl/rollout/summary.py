@@ -81,6 +81,8 @@ def summary_table(report: WorkerReport, title: str = "rollout summary") -> Table
     t.add_row("tool calls", str(report.tool_calls))
     t.add_row("tool errors", str(report.tool_errors))
     t.add_row("sandbox / infra failures", str(report.infra_errors))
+    if report.infra_retries:
+        t.add_row("infra failures re-run", str(report.infra_retries))
     t.add_row("reward errors", str(report.reward_errors))
     t.add_row("terminated / truncated", f"{report.terminated} / {report.truncated}")
     t.add_row("turn ends", ", ".join(f"{k} {v}" for k, v in sorted(report.finish_reasons.items())) or "-")
@@ -104,7 +106,12 @@ def report_from_store(store_dir: str | Path, run: WorkerReport) -> WorkerReport:
     (wall_s, engine_forward_s) and worker count of the run's merged report `run`."""
     from rl.trajectory import TrajectoryStore
 
-    out = WorkerReport(workers=run.workers, wall_s=run.wall_s, engine_forward_s=run.engine_forward_s)
+    out = WorkerReport(
+        workers=run.workers,
+        wall_s=run.wall_s,
+        engine_forward_s=run.engine_forward_s,
+        infra_retries=run.infra_retries,
+    )
     if Path(store_dir).exists():
         for t in TrajectoryStore(store_dir):
             out.add(t)

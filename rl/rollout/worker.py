@@ -1,22 +1,27 @@
 """`RolloutWorker`: one engine, one sandbox pool, many concurrent episodes -> scored, stored trajectories.
 
+    samples = TaskStream(base_seed=0).first_samples(4, group_size=2)   # rl/rollout/tasks.py
     worker = RolloutWorker(settings, worker_id=0)          # in-process (tests, scripts)
-    report = asyncio.run(worker.run([0, 1, 2, 3]))         # episode indices -> seeds
+    report = asyncio.run(worker.run(samples))
 
     actor = ray.remote(RolloutWorker).remote(settings, 0)  # the same class as a Ray (async) actor
-    ray.get(actor.run.remote([0, 1, 2, 3]))
+    traj = ray.get(actor.run_sample.remote(samples[0]))    # what rl/rollout/dispatch.py calls
 
-Episodes run as asyncio tasks (at most `settings.concurrency` at once) that share one batched engine
-(`engine.agenerate`), so their decode steps are batched together while others wait on the sandbox.
-Each finished episode is scored with `rewards.compose` (configured specs), appended to the
-`TrajectoryStore` at once (nothing waits for the batch; a crash loses at most episodes in flight),
-and counted in the worker's statistics. Every episode index yields exactly one stored trajectory:
-failures come back as trajectories marked `infra_error` (see agent_loop.py).
+A sample is (task, sample index): the env regenerates the task from `task.seed` and reset options,
+the sampling draws from the sample's own seed (greedy samples decode at temperature 0).
+Episodes run as asyncio tasks (at most `settings.concurrency` at once in `run`; the dispatcher keeps
+at most that many `run_sample` calls in flight) that share one batched engine (`engine.agenerate`),
+so their decode steps are batched together while others wait on the sandbox. Each finished episode
+is scored with `rewards.compose` (configured specs), appended to the `TrajectoryStore` when the
+worker has one (in-process use; on Ray the driver stores what `run_sample` returns) and counted in
+the worker's statistics. Every sample yields exactly one trajectory: failures come back as
+trajectories marked `infra_error` (see agent_loop.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -27,6 +32,7 @@ import numpy as np
 
 from rewards.compose import RewardMetrics
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
+from rl.rollout.tasks import Sample
 from rl.trajectory import Trajectory, TrajectoryStore
 
 
@@ -38,7 +44,7 @@ class WorkerSettings:
     env_id / env_kwargs: `envs.make(env_id, sandbox_pool=..., **env_kwargs)`.
     model_preset / model_overrides / checkpoint / dtype: the policy (checkpoint dir wins when set;
     otherwise a freshly initialised preset seeded with `init_seed`, so every worker holds the same
-    weights). seed: episode seeds derive from it (`episode_seed`).
+    weights). seed: the engine's base seed (requests carry their own; see rl/rollout/tasks.py).
     episode: budgets and decoding. concurrency: episodes in flight per worker. shared_pool: the worker
     starts one shared SandboxPool of `sandbox_pool_size` (default: concurrency) on `sandbox_image`
     (None = default) when the env uses sandboxes; False = each env leases from its own pool.
@@ -63,10 +69,6 @@ class WorkerSettings:
     max_batch_size: int = 64
     prefill_chunk_size: int = 2048
     torch_threads: int | None = None
-
-    def episode_seed(self, index: int) -> int:
-        """Seed of global episode `index` (the env's task and the sampling seeds derive from it)."""
-        return int(self.seed) * 1_000_003 + int(index)
 
     @classmethod
     def from_config(cls, cfg: Any, store_dir: str | None = None) -> WorkerSettings:
@@ -140,6 +142,7 @@ class WorkerReport:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     infra_examples: list[str] = field(default_factory=list)
     workers: int = 1
+    infra_retries: int = 0  # infra-failed attempts that were re-run (not counted in `episodes`)
 
     def add(self, t: Trajectory) -> None:
         self.episodes += 1
@@ -219,7 +222,9 @@ class RolloutWorker:
         tokenizer: Any = None,
     ):
         import torch
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # checkpoint loading bars would flood the driver's log
         self.settings = settings
         self.worker_id = worker_id
         if settings.torch_threads:
@@ -243,6 +248,8 @@ class RolloutWorker:
         self._env_factory = env_factory
         self._pool = sandbox_pool
         self._own_pool = False
+        self._pool_lock: asyncio.Lock | None = None
+        self._pool_checked = False
         self.store = TrajectoryStore(settings.store_dir) if settings.store_dir else None
         self._specs = None
         if settings.rewards:
@@ -256,9 +263,18 @@ class RolloutWorker:
     # ------------------------------------------------------------------ env + sandbox
     async def _ensure_pool(self) -> None:
         """Start the shared SandboxPool once, if configured and the env actually uses sandboxes."""
-        s = self.settings
-        if self._pool is not None or not s.shared_pool:
+        if self._pool is not None or self._pool_checked or not self.settings.shared_pool:
             return
+        if self._pool_lock is None:
+            self._pool_lock = asyncio.Lock()
+        async with self._pool_lock:  # concurrent first episodes start one pool, not several
+            await self._start_pool()
+
+    async def _start_pool(self) -> None:
+        s = self.settings
+        if self._pool is not None or self._pool_checked:
+            return
+        self._pool_checked = True
         try:
             probe = self.make_env()  # constructing an env leases nothing
         except Exception:  # no pool; run_one stores each episode marked with the construction error
@@ -287,19 +303,44 @@ class RolloutWorker:
         return envs.make(self.settings.env_id, sandbox_pool=self._pool, **kwargs)
 
     # ------------------------------------------------------------------ episodes
-    async def run_one(self, index: int) -> Trajectory:
-        """One episode (global index `index`): play, score, store. Always returns a trajectory."""
+    async def run_sample(self, sample: Sample) -> Trajectory:
+        """One episode of `sample`: play, score, store (when the worker has a store). Always returns a
+        trajectory (failures are marked `infra_error`)."""
+        await self._ensure_pool()
+        self._in_flight += 1
+        try:
+            return await self.run_one(sample)
+        finally:
+            self._in_flight -= 1
+            self._done += 1
+
+    async def run_one(self, sample: Sample) -> Trajectory:
+        """One episode of `sample`: play, score, store. Always returns a trajectory."""
         s = self.settings
-        seed = s.episode_seed(index)
-        meta = {"episode_index": int(index), "worker_id": self.worker_id}
+        task = sample.task
+        meta = {**sample.metadata(), "worker_id": self.worker_id}
+        cfg = dataclasses.replace(s.episode, temperature=0.0) if sample.greedy else s.episode
         try:
             env = self.make_env()
         except Exception as e:  # the env cannot even be built: still a marked, stored record
-            traj = _empty_failed(
-                f"env construction: {type(e).__name__}: {e}", seed, meta, s.env_id, self.engine.weight_version
+            traj = failed_trajectory(
+                f"env construction: {type(e).__name__}: {e}",
+                sample,
+                s.env_id,
+                self.engine.weight_version,
+                meta,
             )
         else:
-            traj = await run_episode(self.engine, env, self.codec, s.episode, seed=seed, metadata=meta)
+            traj = await run_episode(
+                self.engine,
+                env,
+                self.codec,
+                cfg,
+                seed=task.seed,
+                sample_seed=sample.seed,
+                reset_options=task.reset_options() or None,
+                metadata=meta,
+            )
         if self._specs:
             from rewards import acompose
 
@@ -309,21 +350,21 @@ class RolloutWorker:
         self._report.add(traj)
         return traj
 
-    async def run(self, indices: Sequence[int], return_trajectories: bool = False) -> dict:
-        """Run episodes `indices` (at most `concurrency` at once). Returns the report dict (and the
+    async def run(self, samples: Sequence[Sample], return_trajectories: bool = False) -> dict:
+        """Run `samples` (at most `concurrency` at once). Returns the report dict (and the
         trajectories under "trajectories" when asked; in-process use)."""
         t0 = time.perf_counter()
         f0 = self.engine.stats.get("forward_s", 0.0) if hasattr(self.engine, "stats") else 0.0
         self._report, self._done = WorkerReport(), 0
         await self._ensure_pool()
         sem = asyncio.Semaphore(max(1, self.settings.concurrency))
-        trajs: list[Trajectory | None] = [None] * len(indices)
+        trajs: list[Trajectory | None] = [None] * len(samples)
 
-        async def one(j: int, idx: int) -> None:
+        async def one(j: int, sample: Sample) -> None:
             async with sem:
                 self._in_flight += 1
                 try:
-                    trajs[j] = await self.run_one(idx)
+                    trajs[j] = await self.run_one(sample)
                 except Exception:  # scoring/storing bugs: surface, but after the other episodes
                     traceback.print_exc()
                     raise
@@ -331,7 +372,7 @@ class RolloutWorker:
                     self._in_flight -= 1
                     self._done += 1
 
-        results = await asyncio.gather(*(one(j, i) for j, i in enumerate(indices)), return_exceptions=True)
+        results = await asyncio.gather(*(one(j, x) for j, x in enumerate(samples)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         self._report.wall_s = time.perf_counter() - t0
         if hasattr(self.engine, "stats"):
@@ -356,8 +397,20 @@ class RolloutWorker:
             "tool_errors": r.tool_errors,
         }
 
-    async def update_weights(self, state_dict: dict, version: int) -> None:
-        self.engine.update_weights(state_dict, version)
+    async def update_weights(self, weights: Any, version: int) -> int:
+        """Load policy weights `version` into the engine; returns the version now loaded.
+
+        weights: a state_dict, or a one-element list holding the ObjectRef of one (rl/train/weight_sync.py:
+        the learner puts the weights in Ray's object store once, every worker gets them from there). The
+        engine applies them between decode steps; episodes in flight continue on the new weights."""
+        if isinstance(weights, list):
+            (ref,) = weights
+            weights = await ref
+        await asyncio.to_thread(self.engine.update_weights, weights, int(version))
+        return int(self.engine.weight_version)
+
+    async def weight_version(self) -> int:
+        return int(self.engine.weight_version)
 
     async def close(self) -> None:
         if hasattr(self.engine, "aclose"):
@@ -369,8 +422,29 @@ class RolloutWorker:
     async def ping(self) -> int:
         return self.worker_id
 
+    async def info(self) -> dict:
+        """Where and what this worker is: id, pid, Ray node id, loaded weights version, episodes in flight."""
+        import os
 
-def _empty_failed(err: str, seed: int, meta: dict, env_id: str, version: int) -> Trajectory:
+        try:
+            import ray
+
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        except ImportError:
+            node = None
+        return {
+            "worker_id": self.worker_id,
+            "pid": os.getpid(),
+            "node_id": node,
+            "weight_version": int(self.engine.weight_version),
+            "in_flight": self._in_flight,
+        }
+
+
+def failed_trajectory(
+    error: str, sample: Sample, env_id: str, version: int, metadata: dict | None = None
+) -> Trajectory:
+    """An empty trajectory of `sample` marked `infra_error` (the episode could not run at all)."""
     return Trajectory(
         tokens=np.zeros(0, np.int32),
         loss_mask=np.zeros(0, np.uint8),
@@ -379,6 +453,12 @@ def _empty_failed(err: str, seed: int, meta: dict, env_id: str, version: int) ->
         turns=[],
         step_infos=[],
         terminated=True,
-        infra_error=err,
-        metadata={**meta, "seed": seed, "env_id": env_id, "policy_version": int(version)},
+        infra_error=error,
+        metadata={
+            **sample.metadata(),
+            **(metadata or {}),
+            "seed": sample.task.seed,
+            "env_id": env_id,
+            "policy_version": int(version),
+        },
     )

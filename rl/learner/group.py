@@ -1,0 +1,159 @@
+"""`LearnerGroup`: data-parallel learning on N Ray actors joined by torch.distributed.
+
+    group = LearnerGroup(cfg)                 # cfg.learner.num_ranks actors (inside ray.init / a Ray job)
+    metrics = group.step(trajectories)        # same contract as Learner.step
+    engine.update_weights(group.state_dict(), version)
+    group.save(dir); group.load(dir); group.shutdown()
+
+Each actor (`LearnerRank`) builds a `Learner` after joining one process group (gloo on CPU, nccl on CUDA;
+rank 0 publishes the rendezvous address). The Learner wraps its trainable module in
+DistributedDataParallel, which broadcasts rank 0's weights at construction, so every rank starts equal.
+
+A step: the driver prepares the batch once (validation, selection and group advantages need whole groups;
+rl/learner/batch.py) and plans it (rl/learner/sharding.py): minibatches, each split across ranks by token
+count. Each rank gets only its own samples and runs `Learner.update`: gradients are averaged over ranks once
+per optimizer step (the loss normalisers are global, so the result is the single-rank update on the whole
+batch), the MoE balancer's statistics and the expert-load counts are all-reduced, and the metrics are
+summed over ranks. Rank 0's metrics are returned.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rl.learner.batch import ModelFacts, Sample, prepare_batch
+from rl.learner.sharding import RankPlan, plan_step
+from rl.trajectory import Trajectory
+
+
+class LearnerRank:
+    """One data-parallel rank (a Ray actor): joins the process group, then holds a Learner."""
+
+    def __init__(self, cfg, rank: int, world_size: int, torch_threads: int | None = None) -> None:
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.torch_threads = torch_threads
+        self.learner = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(address, free port) of this actor's node, for rank 0 to host the process group."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, address: str, port: int) -> ModelFacts:
+        """Join the process group and build the Learner (collective: every rank calls it together)."""
+        import torch
+        import torch.distributed as dist
+
+        from rl.learner.learner import Learner
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
+        dist.init_process_group(
+            backend, init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size
+        )
+        self.learner = Learner(self.cfg)
+        return self.learner.facts
+
+    def update(self, samples: list[Sample], plan: RankPlan, metrics: dict[str, float]) -> dict[str, float]:
+        return self.learner.update(samples, plan, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.learner.state_dict()
+
+    def save(self, path: str) -> str:
+        return str(self.learner.save(path))
+
+    def load(self, path: str) -> None:
+        self.learner.load(path)
+
+    def counters(self) -> tuple[int, int]:
+        return self.learner.policy_steps, self.learner.optimizer_steps
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class LearnerGroup:
+    """`num_ranks` LearnerRank actors (default cfg.learner.num_ranks). num_cpus / num_gpus: per rank."""
+
+    def __init__(
+        self,
+        cfg,
+        num_ranks: int | None = None,
+        *,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        torch_threads: int | None = None,
+    ) -> None:
+        import ray
+
+        self.cfg = cfg
+        self.world_size = int(num_ranks or cfg.learner.num_ranks)
+        if self.world_size < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {self.world_size}")
+        actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(LearnerRank)
+        self.ranks = [actor.remote(cfg, r, self.world_size, torch_threads) for r in range(self.world_size)]
+        address, port = ray.get(self.ranks[0].rendezvous.remote())
+        facts = ray.get([r.setup.remote(address, port) for r in self.ranks])
+        self.facts: ModelFacts = facts[0]
+        self.policy_steps = 0
+
+    def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """One data-parallel policy step (module docstring); the metrics of Learner.step."""
+        import ray
+
+        lc = self.cfg.learner
+        batch = prepare_batch(trajectories, self.facts, lc)
+        plans = plan_step(batch.samples, lc.num_minibatches, self.world_size, lc.seed + self.policy_steps)
+        by_index = {s.index: s for s in batch.samples}
+        refs = [
+            rank.update.remote([by_index[i] for i in plan.sample_indices()], plan, batch.metrics)
+            for rank, plan in zip(self.ranks, plans)
+        ]
+        metrics = ray.get(refs)[0]
+        self.policy_steps += 1
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rank 0's policy weights (every rank holds the same) for the rollout engines."""
+        import ray
+
+        return ray.get(self.ranks[0].state_dict.remote())
+
+    def save(self, path: str | Path) -> Path:
+        import ray
+
+        return Path(ray.get(self.ranks[0].save.remote(str(path))))
+
+    def load(self, path: str | Path) -> None:
+        import ray
+
+        ray.get([r.load.remote(str(path)) for r in self.ranks])
+        self.policy_steps = ray.get(self.ranks[0].counters.remote())[0]
+
+    def shutdown(self) -> None:
+        """Leave the process group and end the actors."""
+        import ray
+
+        try:
+            ray.get([r.shutdown.remote() for r in self.ranks], timeout=60)
+        finally:
+            for r in self.ranks:
+                ray.kill(r)
+            self.ranks = []
+
+
+__all__ = ["LearnerGroup", "LearnerRank"]

@@ -1,0 +1,537 @@
+"""`Learner`: one policy update from a batch of scored trajectories (GRPO / PPO family).
+
+    learner = Learner(cfg)                      # policy from cfg.model (init_from or preset + learner.seed)
+    metrics = learner.step(trajectories)        # {"loss", "grad_norm", "tokens", "learner/...", "moe/..."}
+    engine.update_weights(learner.state_dict(), version)
+    learner.save(dir); learner.load(dir)
+
+One `step`, top to bottom:
+
+1. prepare (rl/learner/batch.py): validate, select (masking: errors, small and all-equal groups, overlong
+   filter), group advantages (grpo / rloo, with turn credit), per-token rewards (gae);
+2. plan (rl/learner/sharding.py): minibatches, and each rank's share by token count;
+3. first pass, without gradients, when needed: pi_old log-probs (when the policy moves within the step:
+   ppo_epochs x num_minibatches > 1, or gae), reference log-probs (kl_coef > 0), old values and then GAE
+   (gae), routing agreement (R3 off). With a single optimizer step and no value model pi_old is the policy
+   itself, so log pi_old = log pi.detach() in the same forward (TRL does the same);
+4. for each epoch, for each minibatch: pack its samples into micro-batches (first-fit decreasing, at most
+   micro_batch_tokens each), forward (routing replay, bf16 autocast), loss (rl/learner/losses.py) with the
+   off-policy weights (rl/learner/off_policy.py), backward (gradients accumulate); then clip the global
+   grad norm, AdamW step, lr schedule step, and the MoE balancer's bias update from the routed-token
+   histogram of exactly this optimizer step (summed over ranks).
+
+MoE statistics: only the forward with gradients records (model.moe.statistics_recording is off for the
+first pass, the reference model and the backward, where activation checkpointing recomputes).
+
+Data parallelism: constructed inside an initialised torch.distributed process group (rl/learner/group.py),
+the learner wraps its trainable module in DistributedDataParallel; each rank runs `update` on its own share,
+every rank runs exactly one gradient-synchronising backward per optimizer step (no_sync for the others; an
+idle rank runs a zero-weighted one-token forward), and the metrics are summed over ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from model.moe import statistics_recording
+from rl.learner.advantages import gae
+from rl.learner.batch import ModelFacts, PreparedBatch, Sample, prepare_batch
+from rl.learner.forward import TrainModule
+from rl.learner.losses import aggregation_weights, objective, value_loss
+from rl.learner.off_policy import correction_weights
+from rl.learner.optim import build_optimizer, build_scheduler, clip_gradients
+from rl.learner.packing import MicroBatch, collate, pack
+from rl.learner.routing import routing_agreement
+from rl.learner.sharding import RankPlan, plan_step
+from rl.learner.value import Critic, build_value_model
+from rl.trajectory import Trajectory
+
+STATE_FILE = "learner_state.pt"
+POLICY_DIR = "policy"
+
+
+@dataclass
+class StepStats:
+    """Metric sums of one policy step on one rank, summed over ranks at the end (`all_reduce`).
+
+    sums: loss and its parts, token counts, off-policy sums; ratio_max: max of the IS ratio; agree [n_moe]:
+    tokens whose learner top-k set equals the rollout's, per MoE layer, out of agree_tokens."""
+
+    n_moe: int
+    sums: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(
+            (
+                "loss",
+                "policy_loss",
+                "kl",
+                "entropy",
+                "clipped",
+                "value_loss",
+                "scored",
+                "tokens",
+                "is_tokens",
+                "ratio_sum",
+                "kl_sum",
+                "masked",
+                "truncated",
+                "micro_batches",
+            ),
+            0.0,
+        )
+    )
+    ratio_max: float = 0.0
+    agree: torch.Tensor = None
+    agree_tokens: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.agree = torch.zeros(self.n_moe, dtype=torch.float64)
+
+    def all_reduce(self, device: torch.device) -> None:
+        """Sum (ratio_max: max) over the ranks of the default process group, in place."""
+        keys = sorted(self.sums)
+        t = torch.tensor(
+            [self.sums[k] for k in keys] + self.agree.tolist() + [self.agree_tokens],
+            dtype=torch.float64,
+            device=device,
+        )
+        dist.all_reduce(t)
+        vals = t.cpu().tolist()
+        self.sums = dict(zip(keys, vals[: len(keys)]))
+        self.agree = torch.tensor(vals[len(keys) : len(keys) + self.n_moe], dtype=torch.float64)
+        self.agree_tokens = vals[-1]
+        mx = torch.tensor([self.ratio_max], dtype=torch.float64, device=device)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        self.ratio_max = float(mx)
+
+
+def build_policy(cfg) -> torch.nn.Module:
+    """The policy in fp32 train mode (fp32 master weights whatever model.dtype says): `model.init_from` when
+    set, else the preset initialised with `learner.seed` (the same weights a rollout worker builds)."""
+    from rl.rollout.worker import WorkerSettings
+    from rl.rollout.worker import build_policy as build_rollout_policy
+
+    settings = dataclasses.replace(WorkerSettings.from_config(cfg), dtype="float32")
+    return build_rollout_policy(settings).float().train()
+
+
+class Learner:
+    """Policy optimisation for one rank (module docstring). cfg: rl.config.RunConfig."""
+
+    def __init__(self, cfg, tokenizer: Any = None) -> None:
+        from model.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+        self.cfg = cfg
+        lc = self.lc = cfg.learner
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        torch.manual_seed(lc.seed)
+        self.policy = build_policy(cfg).to(self.device)
+        if lc.activation_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        value = None
+        if lc.advantage == "gae":
+            value = build_value_model(lc.value_model, self.policy, lc.critic_preset, lc.seed).to(self.device)
+            if lc.activation_checkpointing and isinstance(value, Critic):
+                value.trunk.gradient_checkpointing_enable()
+        self.module = TrainModule(self.policy, value).train()
+        self.reference = None
+        if lc.kl_coef > 0:
+            ref = build_policy(cfg).to(self.device).eval()
+            ref.requires_grad_(False)
+            self.reference = TrainModule(ref)
+        self.ddp = (
+            DistributedDataParallel(self.module, broadcast_buffers=False) if self.distributed else self.module
+        )
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, lc)
+        self.scheduler = build_scheduler(self.optimizer, lc)
+        tok = tokenizer if tokenizer is not None else load_tokenizer()
+        mc = self.policy.config
+        self.facts = ModelFacts(
+            vocab_size=mc.vocab_size,
+            n_moe_layers=len(self.policy.moe_layer_indices),
+            n_experts=mc.n_routed_experts,
+            top_k=mc.num_experts_per_tok,
+            tokenizer=tokenizer_fingerprint(tok),
+        )
+        self.autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
+        self.policy_steps = 0  # completed step() / update() calls
+        self.optimizer_steps = 0
+
+    # ------------------------------------------------------------------------------------------ public API
+    def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """One policy step on a batch of scored trajectories -> metrics (at least loss, grad_norm, tokens).
+        Single rank; a LearnerGroup calls `prepare` on the driver and `update` on every rank instead."""
+        batch = self.prepare(trajectories)
+        plan = plan_step(batch.samples, self.lc.num_minibatches, 1, self.lc.seed + self.policy_steps)[0]
+        return self.update(batch.samples, plan, batch.metrics)
+
+    def prepare(self, trajectories: Sequence[Trajectory]) -> PreparedBatch:
+        """Validation, selection and group advantages (rl/learner/batch.py)."""
+        return prepare_batch(trajectories, self.facts, self.lc)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights for the rollout engines (weight sync): CPU copies, floating parameters in
+        model.dtype (the router biases stay fp32, as the model keeps them)."""
+        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+        out = {}
+        for k, v in self.policy.state_dict().items():
+            keep = not v.is_floating_point() or k.endswith("e_score_correction_bias")
+            out[k] = v.detach().to("cpu", dtype=None if keep else dtype, copy=True)
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        """Write the policy (save_pretrained: rollouts can start from it, model.init_from=<path>/policy), the
+        value model, optimizer, scheduler, counters and RNG states to `path`. The balancer's state is the
+        router biases, which are model buffers."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.policy.save_pretrained(path / POLICY_DIR)
+        state = {
+            "value": self.module.value.state_dict() if self.module.value is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "policy_steps": self.policy_steps,
+            "optimizer_steps": self.optimizer_steps,
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            },
+            "learner_config": self.lc.model_dump(mode="json"),
+        }
+        torch.save(state, path / STATE_FILE)
+        return path
+
+    def load(self, path: str | Path) -> None:
+        """Restore everything `save` wrote (the learner must be built from the same config)."""
+        path = Path(path)
+        if not (path / STATE_FILE).is_file():
+            raise FileNotFoundError(
+                f"{path} holds no learner checkpoint ({STATE_FILE}); was it written by Learner.save?"
+            )
+        saved = type(self.policy).from_pretrained(str(path / POLICY_DIR), dtype=torch.float32)
+        self.policy.load_state_dict(saved.state_dict())  # in place: the optimizer keeps its parameters
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        if state["value"] is not None:
+            self.module.value.load_state_dict(state["value"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.policy_steps, self.optimizer_steps = state["policy_steps"], state["optimizer_steps"]
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+
+    # ------------------------------------------------------------------------------------------ the update
+    def update(
+        self, samples: Sequence[Sample], plan: RankPlan, metrics: dict[str, float] | None = None
+    ) -> dict[str, float]:
+        """Run this rank's share of a policy step: `samples` (its own), `plan` (its RankPlan). Collective
+        under torch.distributed: every rank calls it once per step. Returns global metrics."""
+        t0 = time.perf_counter()
+        lc = self.lc
+        by_index = {s.index: s for s in samples}
+        n_moe = len(self.policy.moe_layer_indices)
+        stats = self._stats = StepStats(n_moe)
+        fused_old = lc.ppo_epochs * lc.num_minibatches == 1 and lc.advantage != "gae"
+        measure_routing = not lc.routing_replay and n_moe > 0
+        if not fused_old or lc.kl_coef > 0:
+            self._first_pass(
+                samples,
+                old=not fused_old,
+                ref=lc.kl_coef > 0,
+                values=lc.advantage == "gae",
+                routing=measure_routing and not fused_old,
+            )
+        if lc.advantage == "gae":
+            for s in samples:
+                adv, ret = gae(
+                    torch.from_numpy(s.rewards), torch.from_numpy(s.old_values), lc.gamma, lc.gae_lambda
+                )
+                s.advantages, s.returns = adv.numpy(), ret.numpy()
+        losses, norms = [], []
+        for epoch in range(lc.ppo_epochs):
+            for m, ids in enumerate(plan.minibatches):
+                loss, norm = self._optimizer_step(
+                    [by_index[i] for i in ids],
+                    plan.n_tokens[m],
+                    plan.n_episodes[m],
+                    fused_old,
+                    first_epoch=epoch == 0,
+                    routing=measure_routing and fused_old,
+                )
+                losses.append(loss)
+                norms.append(norm)
+        self.policy_steps += 1
+        stats.sums["tokens"] = float(sum(s.n_tokens for s in samples))
+        if self.distributed:
+            stats.all_reduce(self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
+        sums = stats.sums
+        out = dict(metrics or {})
+        n_opt = max(1, len(losses))
+        scored = max(sums["scored"], 1.0)
+        is_tokens = max(sums["is_tokens"], 1.0)
+        out.update(
+            {
+                "loss": sums["loss"] / n_opt,
+                "grad_norm": float(np.mean(norms)) if norms else 0.0,
+                "tokens": sums["tokens"],
+                "learner/tokens_scored": sums["scored"],
+                "learner/optimizer_steps": float(len(losses)),
+                "learner/micro_batches": sums["micro_batches"],
+                "learner/lr": float(self.scheduler.get_last_lr()[0]),
+                "learner/policy_loss": sums["policy_loss"] / n_opt,
+                "learner/kl": sums["kl"] / scored,
+                "learner/entropy": sums["entropy"] / scored,
+                "learner/clip_frac": sums["clipped"] / scored,
+                "learner/offpolicy_kl": sums["kl_sum"] / is_tokens,
+                "learner/offpolicy_ratio_mean": sums["ratio_sum"] / is_tokens,
+                "learner/offpolicy_ratio_max": stats.ratio_max,
+                "learner/offpolicy_masked_frac": sums["masked"] / is_tokens,
+                "learner/offpolicy_truncated_frac": sums["truncated"] / is_tokens,
+                "learner/step_s": time.perf_counter() - t0,
+            }
+        )
+        if lc.advantage == "gae":
+            out["learner/value_loss"] = sums["value_loss"] / n_opt
+        if measure_routing and stats.agree_tokens > 0:
+            frac = (stats.agree / stats.agree_tokens).tolist()
+            for l, f in zip(self.policy.moe_layer_indices, frac):
+                out[f"learner/routing_agreement/layer{l}"] = f
+            out["learner/routing_agreement"] = float(np.mean(frac))
+        out["learner/tokens_per_s"] = out["tokens"] * lc.ppo_epochs / max(out["learner/step_s"], 1e-9)
+        out.update(
+            {k: float(v) for k, v in self.policy.expert_load_metrics().items() if isinstance(v, (int, float))}
+        )
+        return out
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _collate(self, samples: Sequence[Sample], fields: Sequence[str], routing: bool) -> MicroBatch:
+        with_replay = (self.lc.routing_replay or routing) and all(s.replay is not None for s in samples)
+        return collate(samples, fields, with_replay=with_replay)
+
+    @torch.no_grad()
+    def _first_pass(
+        self, samples: Sequence[Sample], old: bool, ref: bool, values: bool, routing: bool
+    ) -> None:
+        """Fill old_logp / ref_logp / old_values of `samples` and count routing agreement (no gradients,
+        no MoE statistics)."""
+        bins = pack([s.n_tokens for s in samples], self.lc.micro_batch_tokens)
+        modules = [self.module] + ([self.reference] if self.reference is not None else [])
+        with contextlib.ExitStack() as stack:
+            for m in modules:
+                stack.enter_context(statistics_recording(m, False))
+            for b in bins:
+                group = [samples[i] for i in b]
+                mb = self._collate(group, (), routing)
+                sizes = mb.seq_tokens.tolist()
+                if old or values or routing:
+                    with self._autocast():
+                        out = self.module(
+                            mb,
+                            replay=self.lc.routing_replay,
+                            values=values,
+                            return_routed=routing and mb.replay is not None,
+                        )
+                    for s, lp in zip(group, out.logp.double().split(sizes)):
+                        s.old_logp = lp.cpu().numpy()
+                    if values:
+                        for s, v in zip(group, out.values.double().split(sizes)):
+                            s.old_values = v.cpu().numpy()
+                    if out.routed is not None:
+                        self._count_agreement(out.routed, mb.replay)
+                if ref:
+                    with self._autocast():
+                        rout = self.reference(mb, replay=self.lc.routing_replay)
+                    for s, lp in zip(group, rout.logp.double().split(sizes)):
+                        s.ref_logp = lp.cpu().numpy()
+
+    def _count_agreement(self, routed: torch.Tensor, recorded: torch.Tensor) -> None:
+        self._stats.agree += routing_agreement(routed, recorded).double().cpu()
+        self._stats.agree_tokens += float(routed.shape[0])
+
+    def _optimizer_step(
+        self,
+        samples: list[Sample],
+        n_tokens: int,
+        n_episodes: int,
+        fused_old: bool,
+        first_epoch: bool,
+        routing: bool,
+    ) -> tuple[float, float]:
+        """One optimizer step on this rank's share of a minibatch: accumulate, clip, AdamW, schedule, MoE
+        bias update. Returns (this rank's part of the minibatch loss, grad norm before clipping)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.accumulate(samples, n_tokens, n_episodes, fused_old, first_epoch, routing)
+        norm = clip_gradients(self.params, self.lc.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer_steps += 1
+        self.policy.update_router_biases()
+        if isinstance(self.module.value, Critic):
+            for moe in self.module.value.moe_layers():
+                moe.update_bias()
+        self._stats.sums["loss"] += loss
+        return loss, norm
+
+    def accumulate(
+        self,
+        samples: Sequence[Sample],
+        n_tokens: int,
+        n_episodes: int,
+        fused_old: bool = True,
+        first_epoch: bool = True,
+        routing: bool = False,
+    ) -> float:
+        """Forward and backward every packed micro-batch of `samples` (gradients add up in .grad; under DDP
+        they are averaged over ranks at the last micro-batch). n_tokens / n_episodes: the minibatch's, over
+        all ranks. Returns this rank's part of the minibatch loss."""
+        if not hasattr(self, "_stats"):
+            self._stats = StepStats(len(self.policy.moe_layer_indices))
+        bins = pack([s.n_tokens for s in samples], self.lc.micro_batch_tokens)
+        total = 0.0
+        if not bins and self.distributed:
+            self._idle_backward()
+        for j, b in enumerate(bins):
+            last = j == len(bins) - 1
+            sync = contextlib.nullcontext() if (last or not self.distributed) else self.ddp.no_sync()
+            with sync:
+                loss = self._micro_batch_loss(
+                    [samples[i] for i in b], n_tokens, n_episodes, fused_old, first_epoch, routing
+                )
+                with statistics_recording(self.module, False):  # checkpoint recomputation must not record
+                    (loss * self.world_size).backward()
+            total += float(loss.detach())
+        return total
+
+    def _idle_backward(self) -> None:
+        """A rank without samples in a minibatch still joins the gradient all-reduce: a one-token forward
+        whose loss is multiplied by 0 (no MoE statistics), so its contribution is exactly zero."""
+        z = torch.zeros(1, dtype=torch.int64)
+        mb = MicroBatch(
+            input_ids=z,
+            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+            replay=None,
+            scored_pos=z,
+            targets=z,
+            seq=z,
+            seq_tokens=torch.ones(1, dtype=torch.int64),
+            data={},
+        )
+        with statistics_recording(self.module, False):
+            with self._autocast():
+                out = self.ddp(mb, values=self.module.value is not None)
+            loss = out.logp.sum() * 0.0
+            if out.values is not None:
+                loss = loss + out.values.sum() * 0.0
+            loss.backward()
+
+    def _micro_batch_loss(
+        self,
+        samples: list[Sample],
+        n_tokens: int,
+        n_episodes: int,
+        fused_old: bool,
+        first_epoch: bool,
+        routing: bool,
+    ) -> torch.Tensor:
+        """The loss of one packed micro-batch (rl/learner/losses.py), scaled so that the sum over the
+        minibatch's micro-batches and ranks is the minibatch loss. Accumulates metric sums."""
+        lc = self.lc
+        stats = self._stats
+        sums = stats.sums
+        fields = ["rollout_logp", "advantages"]
+        fields += [] if fused_old else ["old_logp"]
+        fields += ["ref_logp"] if self.reference is not None else []
+        fields += ["old_values", "returns"] if lc.advantage == "gae" else []
+        mb = self._collate(samples, fields, routing)
+        data = {k: v.to(self.device) for k, v in mb.data.items()}
+        seq, seq_tokens = mb.seq.to(self.device), mb.seq_tokens.to(self.device)
+        with self._autocast():
+            out = self.ddp(
+                mb,
+                replay=lc.routing_replay,
+                values=lc.advantage == "gae",
+                return_routed=routing and mb.replay is not None,
+            )
+        if out.routed is not None:
+            self._count_agreement(out.routed, mb.replay)
+        logp = out.logp.double()
+        old = logp.detach() if fused_old else data["old_logp"]
+        is_w, off = correction_weights(
+            old, data["rollout_logp"], seq, len(samples), lc.tis_cap, lc.mis_band, lc.mis_level
+        )
+        c = aggregation_weights(
+            lc.loss_agg, seq, seq_tokens, n_episodes, n_tokens, self.cfg.rollout.max_tokens
+        ).to(self.device)
+        entropy = out.entropy.double()
+        loss, parts = objective(
+            logp,
+            old,
+            data["advantages"],
+            seq,
+            seq_tokens,
+            c,
+            n_tokens,
+            policy=lc.policy_loss,
+            clip_eps_low=lc.clip_eps_low,
+            clip_eps_high=lc.clip_eps_high,
+            is_weights=is_w,
+            ref_logp=data.get("ref_logp"),
+            kl_coef=lc.kl_coef,
+            kl_estimator=lc.kl_estimator,
+            entropy=entropy,
+            entropy_coef=lc.entropy_coef,
+        )
+        vl = None
+        if lc.advantage == "gae":
+            vl = value_loss(out.values.double(), data["old_values"], data["returns"], lc.value_clip)
+            loss = loss + lc.value_coef * vl.sum() / n_tokens
+        if out.aux is not None:
+            loss = loss + out.aux.double() * (mb.n_scored / n_tokens)
+        kl, clipped = parts["kl"], parts["clipped"]
+        sums["policy_loss"] += float(parts["policy"])
+        if vl is not None:
+            sums["value_loss"] += float(vl.detach().sum() / n_tokens)
+        if first_epoch:
+            sums["micro_batches"] += 1
+            sums["scored"] += mb.n_scored
+            sums["entropy"] += float(entropy.detach().sum())
+            sums["clipped"] += float(clipped.sum())
+            if kl is not None:
+                sums["kl"] += float(kl.detach().sum())
+            for k in ("ratio_sum", "kl_sum", "masked", "truncated"):
+                sums[k] += float(off[k])
+            sums["is_tokens"] += float(off["tokens"])
+            stats.ratio_max = max(stats.ratio_max, float(off["ratio_max"]))
+        return loss
+
+
+__all__ = ["Learner", "StepStats", "build_policy", "STATE_FILE", "POLICY_DIR"]

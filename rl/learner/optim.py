@@ -1,0 +1,57 @@
+"""Optimisation: AdamW over fp32 master weights, a warm-up + decay schedule, global grad-norm clipping.
+
+    opt = build_optimizer(params, cfg.learner)                 # AdamW(lr, betas, weight_decay)
+    sched = build_scheduler(opt, cfg.learner)                  # transformers.get_scheduler
+    ...backward over every micro-batch...
+    norm = clip_gradients(params, cfg.learner.grad_clip)       # global L2 norm before clipping
+    opt.step(); sched.step()
+
+The schedule counts optimizer steps: `learner.steps` policy steps x `ppo_epochs` x `num_minibatches`.
+`learner.warmup_steps` of linear warm-up from 0 to `lr`, then `lr_schedule`: constant, linear decay to 0,
+or cosine decay to 0 (transformers' constant_with_warmup / linear / cosine schedules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from transformers import get_scheduler
+
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def optimizer_steps_per_policy_step(lcfg) -> int:
+    return lcfg.ppo_epochs * lcfg.num_minibatches
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], lcfg) -> torch.optim.AdamW:
+    """AdamW with `learner.lr`, `learner.betas`, `learner.weight_decay`."""
+    return torch.optim.AdamW(
+        list(params), lr=lcfg.lr, betas=tuple(lcfg.betas), weight_decay=lcfg.weight_decay
+    )
+
+
+def build_scheduler(opt: torch.optim.Optimizer, lcfg) -> torch.optim.lr_scheduler.LRScheduler:
+    """Warm-up + `learner.lr_schedule` over `learner.steps x ppo_epochs x num_minibatches` optimizer steps."""
+    total = lcfg.steps * optimizer_steps_per_policy_step(lcfg)
+    return get_scheduler(
+        SCHEDULES[lcfg.lr_schedule], opt, num_warmup_steps=lcfg.warmup_steps, num_training_steps=total
+    )
+
+
+def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Scale gradients so their global L2 norm is at most max_norm; returns the norm before clipping."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+
+
+__all__ = [
+    "SCHEDULES",
+    "build_optimizer",
+    "build_scheduler",
+    "clip_gradients",
+    "optimizer_steps_per_policy_step",
+]

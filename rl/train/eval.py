@@ -1,0 +1,215 @@
+"""Evaluation on held-out tasks: greedy and sampled success, pass@k, by env and difficulty.
+
+    odyssey eval configs/tiny.yaml --checkpoint runs/tiny/checkpoints/step-000040 --episodes 64
+    odyssey eval configs/tiny.yaml --checkpoint runs/tiny/warmup --episodes 64      # any save_pretrained dir
+
+Held-out tasks are the "eval" split of the task stream (rl/rollout/tasks.py): their env seeds are odd,
+every training seed is even, so they are disjoint from training tasks by construction; every evaluation
+of a config plays the same held-out tasks (indices 0..N/k-1), so evaluations are comparable.
+
+`--episodes N` sampled episodes: N / k held-out tasks (k = orchestrator.eval_pass_k), each played k times
+at the training temperature (rollout.temperature) and once greedily (temperature 0), at every difficulty
+of `orchestrator.eval_difficulties` (None: the env's configured one). Reported, overall and per
+`<env>/d<difficulty>`:
+
+    success          mean outcome of the sampled episodes (= pass@1)
+    pass@k           unbiased estimator per task, 1 - C(n - c, k) / C(n, k), averaged over tasks
+                     (n valid samples, c of them solved: outcome >= 1)
+    greedy           mean outcome of the greedy episodes
+    infra_errors     episodes lost to infrastructure (excluded from every mean, never scored 0)
+
+During training (`orchestrator.eval_every`), the same runs on the training workers at the current weights
+and lands in the step's metrics line as eval/<key>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rl.rollout.tasks import Sample, TaskStream
+
+
+def eval_samples(cfg: Any, episodes: int, k: int, difficulties: list[int] | None = None) -> list[Sample]:
+    """The held-out samples: episodes / k tasks x (k sampled + 1 greedy), for each difficulty."""
+    if episodes < k or episodes % k:
+        raise ValueError(f"eval episodes ({episodes}) must be a positive multiple of eval_pass_k ({k})")
+    out: list[Sample] = []
+    for d in difficulties if difficulties is not None else [None]:
+        stream = TaskStream(cfg.rollout.seed, "eval", {} if d is None else {"difficulty": int(d)})
+        for i in range(episodes // k):
+            task = stream.task(i)
+            out += stream.samples(task, k) + stream.samples(task, 1, greedy=True)
+    return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if n <= 0:
+        return float("nan")
+    k = min(k, n)
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _difficulty(sample: Sample, default: Any) -> Any:
+    return sample.task.reset_options().get("difficulty", default)
+
+
+def summarize(
+    samples: list[Sample], results: dict[str, Any], k: int, env_id: str, difficulty: Any = None
+) -> dict:
+    """Flat metrics from the episodes of `samples` (results: sample key -> trajectory)."""
+    from rewards.compose import infra_error_of
+
+    out: dict[str, Any] = {}
+    cells: dict[str, list[Sample]] = {"": samples}
+    for s in samples:
+        cells.setdefault(f"{env_id}/d{_difficulty(s, difficulty)}/", []).append(s)
+    for prefix, group in cells.items():
+        sampled = [s for s in group if not s.greedy]
+        greedy = [s for s in group if s.greedy]
+        ok = lambda s: infra_error_of(results[s.key]) is None  # noqa: E731
+        outcome = lambda s: float(results[s.key].outcome or 0.0)  # noqa: E731
+        valid_s, valid_g = [s for s in sampled if ok(s)], [s for s in greedy if ok(s)]
+        by_task: dict[str, list[float]] = {}
+        for s in valid_s:
+            by_task.setdefault(s.task.key, []).append(outcome(s))
+        passes = [pass_at_k(len(v), sum(x >= 1.0 for x in v), k) for v in by_task.values()]
+        out[f"{prefix}success"] = sum(map(outcome, valid_s)) / len(valid_s) if valid_s else None
+        out[f"{prefix}pass@{k}"] = sum(passes) / len(passes) if passes else None
+        out[f"{prefix}greedy"] = sum(map(outcome, valid_g)) / len(valid_g) if valid_g else None
+        out[f"{prefix}infra_errors"] = len(group) - len(valid_s) - len(valid_g)
+        out[f"{prefix}episodes"] = len(group)
+    return out
+
+
+def table(metrics: dict[str, Any], k: int, title: str) -> Table:
+    t = Table(title=title, header_style="bold")
+    for col in ("cell", "success (T)", f"pass@{k}", "greedy", "episodes", "infra errors"):
+        t.add_column(col, justify="left" if col == "cell" else "right")
+    cells = [""] + sorted({key.rsplit("/", 1)[0] + "/" for key in metrics if "/" in key})
+
+    def f(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else ("-" if v is None else str(v))
+
+    for c in cells:
+        t.add_row(
+            c.rstrip("/") or "all",
+            f(metrics.get(f"{c}success")),
+            f(metrics.get(f"{c}pass@{k}")),
+            f(metrics.get(f"{c}greedy")),
+            f(metrics.get(f"{c}episodes")),
+            f(metrics.get(f"{c}infra_errors")),
+        )
+    return t
+
+
+def policy_dir(checkpoint: str | Path) -> Path:
+    """The save_pretrained directory of `checkpoint`: itself (a warm-up or any saved policy), or
+    <checkpoint>/learner/policy (a training checkpoint, rl/train/checkpoint.py)."""
+    p = Path(checkpoint).expanduser().resolve()
+    for cand in (p, p / "learner" / "policy", p / "policy"):
+        if (cand / "config.json").is_file():
+            return cand
+    raise ValueError(
+        f"--checkpoint {checkpoint}: no policy there (expected config.json in it, in learner/policy/ of a "
+        "training checkpoint, or in policy/); training checkpoints live in <run_dir>/checkpoints/step-NNNNNN"
+    )
+
+
+def evaluate_checkpoint(cfg: Any, checkpoint: str | Path, episodes: int, console: Console) -> dict[str, Any]:
+    """Play the held-out samples on `rollout.num_workers` Ray workers loading the policy of `checkpoint`
+    (workers read it themselves: the directory must be reachable from their nodes)."""
+    import dataclasses
+
+    import ray
+
+    from rl.rollout.cli import init_ray
+    from rl.rollout.dispatch import Dispatcher
+    from rl.rollout.worker import RolloutWorker, WorkerSettings
+    from rl.train.loop import run_samples
+    from rl.train.placement import actor_options, check_fits, torch_threads
+
+    o = cfg.orchestrator
+    samples = eval_samples(cfg, episodes, o.eval_pass_k, o.eval_difficulties)
+    settings = dataclasses.replace(
+        WorkerSettings.from_config(cfg, store_dir=None),
+        checkpoint=str(policy_dir(checkpoint)),
+        torch_threads=torch_threads(o.rollout_resources),
+    )
+    started = init_ray(cfg.rollout.num_workers)
+    try:
+        check_fits(cfg)
+        cls = ray.remote(RolloutWorker).options(**actor_options(o.rollout_resources), max_restarts=0)
+
+        def spawn(i: int) -> tuple[Any, Any]:
+            actor = cls.remote(settings, i)
+            return actor, actor.ping.remote()
+
+        d = Dispatcher(
+            spawn,
+            cfg.rollout.num_workers,
+            cfg.rollout.concurrent_episodes,
+            max_infra_retries=o.max_infra_retries,
+            max_restarts=o.max_worker_restarts,
+            env_id=cfg.env.id,
+            log=lambda m: console.print(f"odyssey eval: {m}", highlight=False, markup=False),
+        )
+        try:
+            results = run_samples(d, samples)
+        finally:
+            d.close()
+    finally:
+        if started:
+            ray.shutdown()
+    return summarize(samples, results, o.eval_pass_k, cfg.env.id, cfg.env.kwargs.get("difficulty", 0))
+
+
+def cli_main(argv: list[str]) -> int:
+    """`odyssey eval CONFIG --checkpoint DIR --episodes N [k=v ...]`: held-out evaluation (module doc)."""
+    p = argparse.ArgumentParser(prog="odyssey eval", description="Evaluate a policy on held-out tasks.")
+    p.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    p.add_argument(
+        "--checkpoint", required=True, help="training checkpoint (step-NNNNNN) or save_pretrained dir"
+    )
+    p.add_argument(
+        "--episodes", type=int, default=None, help="sampled episodes (default orchestrator.eval_episodes)"
+    )
+    p.add_argument("--out", default=None, help="JSON results file (default <checkpoint>-eval.json beside it)")
+    args = p.parse_intermixed_args(argv)
+    console, err = Console(), Console(stderr=True)
+    from rl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        n = cfg.orchestrator.eval_episodes if args.episodes is None else args.episodes
+        eval_samples(cfg, n, cfg.orchestrator.eval_pass_k)  # validates n against k
+        policy_dir(args.checkpoint)
+    except (ConfigError, ValueError) as e:
+        err.print(f"odyssey eval: {e}", highlight=False, markup=False)
+        return 2
+    k = cfg.orchestrator.eval_pass_k
+    console.print(
+        f"odyssey eval: {n} sampled + {n // k} greedy episodes per difficulty, held-out {cfg.env.id} tasks, "
+        f"policy {policy_dir(args.checkpoint)}",
+        highlight=False,
+    )
+    t0 = time.perf_counter()
+    metrics = evaluate_checkpoint(cfg, args.checkpoint, n, console)
+    metrics["wall_s"] = round(time.perf_counter() - t0, 2)
+    console.print(table(metrics, k, f"held-out evaluation (T={cfg.rollout.temperature:g} and greedy)"))
+    out = Path(args.out) if args.out else Path(str(Path(args.checkpoint).resolve()) + "-eval.json")
+    record = {"checkpoint": str(args.checkpoint), "sampled_episodes": n, "pass_k": k, **metrics}
+    out.write_text(json.dumps(record, indent=1))
+    console.print(f"results: {out}", highlight=False)
+    return 0

@@ -1,0 +1,515 @@
+"""The training loop (the Ray driver): rollout workers -> experience buffer -> learner -> weights -> workers.
+
+    summary = Trainer(cfg).run()          # what `odyssey train CONFIG` and `rl.train.train(cfg)` do
+
+The driver holds no model. It draws tasks (rl/rollout/tasks.py), queues `group_size` samples of each on
+the rollout workers (rl/rollout/dispatch.py), stores every finished episode (rl/trajectory.py), gathers
+groups in the experience buffer (buffer.py), hands batches of `rollout.episodes / group_size` groups to
+the learner (learner_client.py), broadcasts each new policy version to the workers (weight_sync.py),
+writes one metrics line per step (metrics.py), evaluates on held-out tasks (eval.py) and checkpoints
+(checkpoint.py).
+
+Sync and async (orchestrator.max_staleness = k). A group drawn while the weights are at version v is
+consumed by the learner at step >= v; its staleness is the learner's version minus the version of its
+oldest generated token. The driver keeps at most `(k + 1 - busy) * G` useful groups (ready in the
+buffer, or still being played) ahead of the learner, where G is the batch's group count and busy is 1
+while a learner step runs, so in fifo order a group is consumed at most k versions after it was drawn:
+
+- k = 0: strictly on-policy. Rollouts of step s run with weights s only while the learner is idle; the
+  learner starts when the G groups are in, and no rollout runs while it trains.
+- k > 0: rollouts continue while the learner trains. Weights arriving mid-episode are applied between
+  decode steps (partial rollouts: tokens record their version, the engine rebuilds old caches). A
+  member whose oldest token is more than k versions behind at training time is dropped and counted
+  (`dropped/stale`); with buffer orders other than fifo this can happen to groups left waiting.
+
+Dynamic sampling (orchestrator.dynamic_sampling, DAPO): a complete group whose valid members all have
+the same total reward is discarded on arrival (counted), and another task is drawn instead, until
+`dynamic_sampling_cap * G` groups were drawn for the step; after that such groups are kept (the
+learner then drops them itself, with its own count).
+
+Checkpoints (every `checkpoint_every` steps and at the end) hold the learner state, the buffer, the task
+cursor and the samples still in flight or queued (re-queued on resume, same seeds), plus how many
+metrics/ledger lines and which store files belong to them. Resuming moves later metrics lines and
+store files aside (`metrics.superseded.jsonl`, `trajectories/superseded/`), so the run dir describes
+exactly one history. `samples.jsonl` is the ledger: per step, the sample keys trained, dropped as
+stale, and discarded by dynamic sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from rl.rollout.dispatch import Dispatcher, Finished
+from rl.rollout.tasks import Sample, TaskStream
+from rl.rollout.worker import RolloutWorker, WorkerSettings
+from rl.train.buffer import ExperienceBuffer
+from rl.train.checkpoint import latest_checkpoint, write_checkpoint
+from rl.train.learner_client import LearnerClient, LearnerDied
+from rl.train.metrics import MetricsLog, ProgressLine, batch_stats, step_record
+from rl.train.placement import actor_options, check_fits, cluster_demand, torch_threads
+from rl.train.weight_sync import WeightSync
+from rl.trajectory import TrajectoryStore
+
+DRIVER_STATE = "driver.json"
+BUFFER_FILE = "buffer.arrow"
+LEARNER_DIR = "learner"
+LEDGER_FILE = "samples.jsonl"
+EVAL_FILE = "eval.jsonl"
+STATE_VERSION = 1
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (the learner died, no rollout worker left); the message says how to resume."""
+
+
+@dataclass
+class DriverState:
+    """What the driver must remember across a restart (checkpoint's driver.json)."""
+
+    step: int = 0  # learner steps done
+    version: int = 0  # policy weights version (== step)
+    cursor: int = 0  # next training task index
+    pending: list[dict] = field(default_factory=list)  # samples in flight or queued (Sample.to_dict)
+    counters: dict[str, int] = field(default_factory=dict)  # cumulative
+    metrics_lines: int = 0
+    ledger_lines: int = 0
+    eval_lines: int = 0
+    store_files: list[str] = field(default_factory=list)
+    resumes: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps({"state_version": STATE_VERSION, **dataclasses.asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> DriverState:
+        d = json.loads(text)
+        if d.pop("state_version", None) != STATE_VERSION:
+            raise ValueError("checkpoint driver.json was written by another Odyssey version")
+        return cls(**d)
+
+
+def resume_hint(cfg: Any, config_path: str | None = None) -> str:
+    cmd = f"odyssey train {config_path or '<CONFIG>'} logging.run_dir={Path(cfg.logging.run_dir).resolve()}"
+    return f"re-run `{cmd}` (orchestrator.resume=true) to continue from the latest checkpoint"
+
+
+class Trainer:
+    """One training run. cfg: a RunConfig. config_path: named in resume hints. worker_cls: the rollout
+    worker actor class (tests inject one that fails); console: where the live line goes."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        config_path: str | None = None,
+        console: Console | None = None,
+        worker_cls: type = RolloutWorker,
+    ):
+        self.cfg = cfg
+        self.config_path = config_path
+        self.console = console or Console()
+        self.worker_cls = worker_cls
+        o, r = cfg.orchestrator, cfg.rollout
+        self.group_size = cfg.learner.group_size if cfg.learner.advantage in ("grpo", "rloo") else 1
+        self.groups_per_step = max(1, r.episodes // self.group_size)
+        self.k = o.max_staleness
+        self.run_dir = Path(cfg.logging.run_dir).expanduser().resolve()
+        self.store = TrajectoryStore(self.run_dir / "trajectories")
+        self.metrics = MetricsLog(self.run_dir)
+        self.stream = TaskStream(r.seed, "train")
+        self.buffer = ExperienceBuffer(self.group_size, o.buffer_order)
+        self.state = DriverState()
+        self.sync = WeightSync(o.weight_sync_timeout_s)
+        self.open_groups: set[str] = set()  # tasks drawn whose group is not complete yet
+        self.discarded_since_step = 0
+        self.step_counts: dict[str, int] = {}  # counters since the previous metrics line
+        self.ledger_discarded: list[str] = []
+        self.learner: LearnerClient | None = None
+        self.dispatcher: Dispatcher | None = None
+        self._phase_s: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ setup
+    def _log(self, msg: str) -> None:
+        self.console.print(f"odyssey train: {msg}", highlight=False, markup=False, soft_wrap=True)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.step_counts[key] = self.step_counts.get(key, 0) + n
+        self.state.counters[key] = self.state.counters.get(key, 0) + n
+
+    def _worker_settings(self) -> WorkerSettings:
+        s = WorkerSettings.from_config(self.cfg, store_dir=None)  # the driver stores: no shared disk
+        # weights come from the learner (weight sync), so workers need no access to model.init_from
+        return dataclasses.replace(
+            s, checkpoint=None, torch_threads=torch_threads(self.cfg.orchestrator.rollout_resources)
+        )
+
+    def _spawn(self, worker_id: int) -> tuple[Any, Any]:
+        import ray
+
+        opts = {**actor_options(self.cfg.orchestrator.rollout_resources), "max_restarts": 0}
+        actor = ray.remote(self.worker_cls).options(**opts).remote(self.settings, worker_id)
+        if self.sync.ref is None:  # at start-up: the weights are pushed once the learner is up
+            return actor, actor.ping.remote()
+        return actor, self.sync.ready_ref(actor)  # a replacement: ready once it holds the current weights
+
+    def _resume(self) -> Path | None:
+        """Load the latest checkpoint when resuming (driver state + buffer; the learner loads in start)."""
+        o = self.cfg.orchestrator
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            return None
+        if not o.resume:
+            raise ValueError(
+                f"run dir {self.run_dir} holds checkpoint {ckpt.name} and orchestrator.resume is false; "
+                "set orchestrator.resume=true to continue it, or choose a new logging.run_dir"
+            )
+        self.state = DriverState.from_json((ckpt / DRIVER_STATE).read_text())
+        self.buffer.load(ckpt / BUFFER_FILE)
+        self.open_groups = set(self.buffer.partial) | {
+            Sample.from_dict(d).task.key for d in self.state.pending
+        }
+        moved = self.metrics.keep_first(self.state.metrics_lines)
+        _keep_first_lines(self.run_dir / LEDGER_FILE, self.state.ledger_lines)
+        _keep_first_lines(self.run_dir / EVAL_FILE, self.state.eval_lines)
+        kept = set(self.state.store_files)
+        aside = self.store.root / "superseded"
+        later = [p for p in self.store.files() if p.name not in kept]
+        if later:
+            aside.mkdir(exist_ok=True)
+            for p in later:
+                os.replace(p, aside / p.name)
+        self.state.resumes.append({"from_step": self.state.step, "time": time.time()})
+        self._log(
+            f"resuming from checkpoint {ckpt} (step {self.state.step}, {len(self.state.pending)} episodes "
+            f"re-queued, {self.buffer.n_trajectories} in the buffer; {moved} later metrics lines and "
+            f"{len(later)} later store files set aside)"
+        )
+        return ckpt
+
+    def start(self) -> None:
+        """Ray, resume state, learner, weights v0 (or the checkpoint's), rollout workers."""
+        from rl.config import write_resolved
+        from rl.rollout.cli import init_ray
+
+        t0 = time.perf_counter()
+        demand = cluster_demand(self.cfg)
+        self._started_ray = init_ray(int(demand.get("CPU", 1) + 0.999))
+        check_fits(self.cfg)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt = self._resume()
+        if ckpt is None:
+            self._log(f"starting a new run in {self.run_dir}")
+        write_resolved(self.cfg, self.run_dir)
+        self.settings = self._worker_settings()
+        o, r = self.cfg.orchestrator, self.cfg.rollout
+        self.dispatcher = Dispatcher(  # worker actors start while the learner builds
+            self._spawn,
+            r.num_workers,
+            r.concurrent_episodes,
+            max_infra_retries=o.max_infra_retries,
+            max_restarts=o.max_worker_restarts,
+            env_id=self.cfg.env.id,
+            log=self._log,
+        )
+        self.learner = LearnerClient(self.cfg)
+        if ckpt is not None:
+            self.learner.load(ckpt / LEARNER_DIR)
+        self.sync.publish(self.learner.weights(), self.state.version)
+        self.dispatcher.put([Sample.from_dict(d) for d in self.state.pending])
+        learner_info = self.learner.ready()
+        self.dispatcher.wait_ready(o.weight_sync_timeout_s)
+        self._push_weights(publish=False)  # version 0 (or the checkpoint's) to every worker
+        self._record_placement(learner_info)
+        self._log(
+            f"{r.num_workers} rollout workers and the learner ready in {time.perf_counter() - t0:.1f} s; "
+            f"{self.groups_per_step} groups of {self.group_size} per step, max_staleness {self.k}"
+        )
+
+    def _record_placement(self, learner_info: dict) -> None:
+        """<run_dir>/placement.json: the node (id, resources) of every learner rank and rollout worker."""
+        import ray
+
+        assert self.dispatcher is not None
+        actors = self.dispatcher.ready_actors()
+        infos = ray.get([a.info.remote() for a in actors.values()], timeout=120)
+        nodes = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
+        placement = {
+            "learner": [{**i, "node_resources": nodes.get(i["node_id"], {})} for i in learner_info["ranks"]],
+            "workers": [{**i, "node_resources": nodes.get(i["node_id"], {})} for i in infos],
+        }
+        (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
+
+    # ------------------------------------------------------------------ rollouts
+    def _limit(self, busy: bool) -> int:
+        return max(0, self.k + 1 - int(busy)) * self.groups_per_step
+
+    def _draw(self, busy: bool) -> None:
+        """Queue new tasks while fewer useful groups than the staleness bound allows are ahead."""
+        assert self.dispatcher is not None
+        while len(self.buffer) + len(self.open_groups) < self._limit(busy):
+            task = self.stream.task(self.state.cursor)
+            self.state.cursor += 1
+            self.open_groups.add(task.key)
+            self.dispatcher.put(self.stream.samples(task, self.group_size))
+
+    def _on_finished(self, f: Finished) -> None:
+        self.store.append(f.traj)
+        if not f.final:
+            self._count("infra_retries")
+            return
+        self._count("episodes_finished")
+        group = self.buffer.add(f.sample, f.traj)
+        if group is None:
+            return
+        self.open_groups.discard(group.key)
+        o = self.cfg.orchestrator
+        cap = (o.dynamic_sampling_cap - 1.0) * self.groups_per_step
+        if o.dynamic_sampling and not group.has_variance and self.discarded_since_step < cap:
+            self.buffer.discard(group.key)
+            self.discarded_since_step += 1
+            self._count("discarded/zero_variance")
+            self.ledger_discarded += [s.key for s, _ in group.members]
+
+    def _open_indices(self) -> set[int]:
+        return {int(k.split("/")[1].split("@")[0]) for k in self.open_groups}
+
+    def _poll(self, timeout: float) -> None:
+        assert self.dispatcher is not None
+        before = self.dispatcher.restarts
+        for f in self.dispatcher.poll(timeout):
+            self._on_finished(f)
+        if self.dispatcher.restarts > before:
+            self._count("worker_restarts", self.dispatcher.restarts - before)
+
+    # ------------------------------------------------------------------ learner
+    def _push_weights(self, publish: bool = True) -> None:
+        assert self.dispatcher is not None and self.learner is not None
+        if publish:
+            self.sync.publish(self.learner.weights(), self.state.version)
+        failed = self.sync.push(self.dispatcher.ready_actors())
+        if failed and len(failed) == len(self.dispatcher.ready_actors()):
+            self.learner.ready(timeout=60)  # every worker failed: is the weights' source (the learner) gone?
+        for worker_id, reason in failed.items():
+            self._count("worker_restarts")
+            self.dispatcher.replace(worker_id, reason)
+
+    def _train_step(self) -> dict[str, Any] | None:
+        """Take a batch, run one learner step while rollouts continue (async) or wait (sync)."""
+        assert self.learner is not None
+        version = self.state.version
+        batch, dropped = self.buffer.take(self.groups_per_step, version, self.k)
+        self.discarded_since_step = 0
+        if dropped:
+            self._count("dropped/stale", len(dropped))
+        if not batch:
+            self._ledger({"step": None, "trained": [], "stale": [s.key for s, _ in dropped], "discarded": []})
+            return None
+        t0 = time.perf_counter()
+        fut = self.learner.step([t for _, t in batch])
+        while not self.learner.done(fut):
+            self._draw(busy=True)
+            self._poll(timeout=0.2)
+        learner_metrics = self.learner.result(fut)
+        learner_s = time.perf_counter() - t0
+        self.state.step += 1
+        self.state.version += 1
+        t1 = time.perf_counter()
+        self._push_weights()
+        sync_s = time.perf_counter() - t1
+        self._ledger(
+            {
+                "step": self.state.step,
+                "trained": [s.key for s, _ in batch],
+                "stale": [s.key for s, _ in dropped],
+                "discarded": self.ledger_discarded,
+            }
+        )
+        self.ledger_discarded = []
+        return {
+            "batch": batch_stats(batch, version),
+            "learner": learner_metrics,
+            "timings": {"learner": learner_s, "weight_sync": sync_s},
+        }
+
+    def _ledger(self, entry: dict) -> None:
+        with open(self.run_dir / LEDGER_FILE, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        self.state.ledger_lines += 1
+
+    # ------------------------------------------------------------------ checkpoints, eval
+    def _checkpoint(self) -> float:
+        assert self.dispatcher is not None and self.learner is not None
+        t0 = time.perf_counter()
+        train_pending = [
+            s for s in (*self.dispatcher.in_flight(), *self.dispatcher.queue) if s.task.split == "train"
+        ]
+        self.state.pending = [s.to_dict() for s in sorted(train_pending, key=lambda s: s.order)]
+        self.state.store_files = [p.name for p in self.store.files()]
+        self.state.metrics_lines = self.metrics.line_count()
+
+        def fill(tmp: Path) -> None:
+            self.learner.save(tmp / LEARNER_DIR)
+            self.buffer.save(tmp / BUFFER_FILE)
+            (tmp / DRIVER_STATE).write_text(self.state.to_json())
+
+        path = write_checkpoint(self.run_dir, self.state.step, fill, self.cfg.orchestrator.keep_checkpoints)
+        self._log(f"checkpoint {path}")
+        return time.perf_counter() - t0
+
+    def _evaluate(self) -> dict[str, Any]:
+        """Held-out evaluation at the current weights; appended to eval.jsonl with the step."""
+        from rl.train.eval import eval_samples, summarize
+
+        assert self.dispatcher is not None
+        o = self.cfg.orchestrator
+        t0 = time.perf_counter()
+        samples = eval_samples(self.cfg, o.eval_episodes, o.eval_pass_k, o.eval_difficulties)
+        results = run_samples(self.dispatcher, samples, on_other=self._on_finished)
+        out = summarize(
+            samples, results, o.eval_pass_k, self.cfg.env.id, self.cfg.env.kwargs.get("difficulty")
+        )
+        with open(self.run_dir / EVAL_FILE, "a") as f:
+            f.write(json.dumps({"step": self.state.step, **out, "wall_s": time.perf_counter() - t0}) + "\n")
+        self.state.eval_lines += 1
+        k = o.eval_pass_k
+        self._log(
+            f"held-out eval at step {self.state.step}: success {_fmt(out.get('success'))} "
+            f"(T={self.cfg.rollout.temperature:g}), pass@{k} {_fmt(out.get(f'pass@{k}'))}, "
+            f"greedy {_fmt(out.get('greedy'))}"
+        )
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict[str, Any]:
+        """Train to learner.steps; returns a summary. Raises TrainingStopped with the resume hint."""
+        try:
+            self.start()
+            return self._loop()
+        except LearnerDied as e:
+            raise TrainingStopped(
+                f"the learner actor died ({e}); the run stopped at step {self.state.step}. "
+                + resume_hint(self.cfg, self.config_path)
+            ) from e
+        finally:
+            self.close()
+
+    def _loop(self) -> dict[str, Any]:
+        assert self.dispatcher is not None
+        o, total = self.cfg.orchestrator, self.cfg.learner.steps
+        t_start = time.perf_counter() - sum(r.get("wall_s", 0.0) for r in self.metrics.read()[-1:])
+        last_ckpt = self.state.step
+        if o.eval_every and self.state.step == 0 and self.state.eval_lines == 0:
+            self._evaluate()  # the policy before any RL step, on the same held-out tasks
+        with ProgressLine(total, self.console, self.cfg.logging.log_every) as progress:
+            while self.state.step < total:
+                t0 = time.perf_counter()
+                while not self.buffer.batch_ready(self.groups_per_step, self._open_indices()):
+                    self._draw(busy=False)
+                    self._poll(timeout=0.5)
+                rollout_s = time.perf_counter() - t0
+                out = self._train_step()
+                if out is None:
+                    continue
+                evaluation, eval_s = None, 0.0
+                if o.eval_every and (self.state.step % o.eval_every == 0 or self.state.step == total):
+                    t1 = time.perf_counter()
+                    evaluation = self._evaluate()
+                    eval_s = time.perf_counter() - t1
+                counts, self.step_counts = self.step_counts, {}
+                rec = step_record(
+                    step=self.state.step,
+                    policy_version=self.state.version,
+                    wall_s=time.perf_counter() - t_start,
+                    batch=out["batch"],
+                    learner=out["learner"],
+                    timings={
+                        "rollout": rollout_s,
+                        **out["timings"],
+                        "eval": eval_s,
+                        "step": time.perf_counter() - t0,
+                    },
+                    counters=counts,
+                    evaluation=evaluation,
+                )
+                due = o.checkpoint_every and self.state.step % o.checkpoint_every == 0
+                if due or self.state.step == total:
+                    self.metrics.append(rec)
+                    rec_ckpt_s = self._checkpoint()
+                    last_ckpt = self.state.step
+                    progress.note(f"checkpoint at step {self.state.step} ({rec_ckpt_s:.1f} s)")
+                else:
+                    self.metrics.append(rec)
+                progress.update(rec)
+        evals = _read_jsonl(self.run_dir / EVAL_FILE)
+        return {
+            "run_dir": str(self.run_dir),
+            "steps": self.state.step,
+            "last_checkpoint": last_ckpt,
+            "counters": dict(self.state.counters),
+            "final": self.metrics.read()[-1] if self.metrics.path.exists() else {},
+            "evals": evals,
+        }
+
+    def close(self) -> None:
+        t0 = time.perf_counter()
+        if self.dispatcher is not None:
+            self.dispatcher.close()
+            self.dispatcher = None
+        if self.learner is not None:
+            self.learner.close()
+            self.learner = None
+        t1 = time.perf_counter()
+        if getattr(self, "_started_ray", False):
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+        if os.environ.get("ODYSSEY_TIMING"):
+            self._log(f"close: actors {t1 - t0:.1f} s, ray shutdown {time.perf_counter() - t1:.1f} s")
+
+
+def run_samples(
+    dispatcher: Dispatcher, samples: list[Sample], on_other: Any = None, timeout: float = 0.5
+) -> dict[str, Any]:
+    """Play `samples` first (front of the queue) and wait for all of them; finished episodes of other
+    samples (training ones still in flight) go to `on_other`. Returns {sample key: trajectory}."""
+    wanted = {s.key for s in samples}
+    got: dict[str, Any] = {}
+    dispatcher.put(samples, front=True)
+    while len(got) < len(wanted):
+        for f in dispatcher.poll(timeout):
+            if f.sample.key in wanted:
+                if f.final:
+                    got[f.sample.key] = f.traj
+            elif on_other is not None:
+                on_other(f)
+    return got
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else "-"
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+
+def _keep_first_lines(path: Path, n: int) -> None:
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    if len(lines) > n:
+        with open(path.with_name(path.stem + ".superseded" + path.suffix), "a") as f:
+            f.write("\n".join(lines[n:]) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in lines[:n]))
+    shutil.move(tmp, path)

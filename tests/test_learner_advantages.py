@@ -1,0 +1,160 @@
+"""Advantages and masking: GRPO / RLOO on hand-computed groups, GAE against the slow reverse loop, turn-level
+credit on a 3-turn hand example, and what is excluded (never scored as zero)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rl.config import LearnerSection
+from rl.learner.advantages import (
+    discounted_cumsum,
+    gae,
+    gae_reference,
+    group_advantages,
+    turn_returns,
+)
+from rl.learner.batch import ModelFacts, prepare_batch
+from rl.learner.selection import select
+from tests.traj_factory import make_traj
+
+FACTS = ModelFacts(vocab_size=4096, n_moe_layers=3, n_experts=64, top_k=2, tokenizer="fp-ok")
+
+
+def test_grpo_and_rloo_on_hand_computed_groups():
+    r = [1.0, 0.0, 0.0, 1.0, 2.0, 4.0]
+    g = ["a", "a", "a", "a", "b", "b"]
+    # group a: mean 0.5, Bessel std sqrt(1/3); group b: mean 3, std sqrt(2)
+    sa, sb = math.sqrt(1 / 3), math.sqrt(2)
+    want = [0.5 / (sa + 1e-4), -0.5 / (sa + 1e-4), -0.5 / (sa + 1e-4), 0.5 / (sa + 1e-4),
+            -1 / (sb + 1e-4), 1 / (sb + 1e-4)]
+    assert torch.allclose(group_advantages(r, g), torch.tensor(want, dtype=torch.float64), atol=1e-12)
+    # Dr.GRPO: no std
+    assert group_advantages(r, g, scale="none").tolist() == [0.5, -0.5, -0.5, 0.5, -1.0, 1.0]
+    # batch std: every reward's Bessel std
+    sbatch = float(np.std(r, ddof=1))
+    got = group_advantages(r, g, scale="batch")
+    assert torch.allclose(got, torch.tensor([0.5, -0.5, -0.5, 0.5, -1.0, 1.0], dtype=torch.float64) /
+                          (sbatch + 1e-4), atol=1e-12)
+    # RLOO: r_i - mean of the others. a: member 0 -> 1 - (0+0+1)/3 = 2/3
+    rloo = group_advantages(r, g, baseline="rloo", scale="none").tolist()
+    assert rloo == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, -2.0, 2.0], abs=1e-12)
+
+
+def test_group_advantages_refuse_a_group_of_one():
+    with pytest.raises(ValueError, match="group 'x' has 1 member"):
+        group_advantages([1.0, 0.0, 1.0], ["x", "y", "y"])
+
+
+@pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 300])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0), (0.0, 1.0)])
+def test_gae_matches_slow_reverse_loop(n, gamma, lam):
+    g = torch.Generator().manual_seed(n)
+    r = torch.randn(n, generator=g, dtype=torch.float64)
+    v = torch.randn(n, generator=g, dtype=torch.float64)
+    adv, ret = gae(r, v, gamma, lam)
+    ref_adv, ref_ret = gae_reference(r.tolist(), v.tolist(), gamma, lam)
+    assert max(abs(a - b) for a, b in zip(adv.tolist(), ref_adv)) < 1e-9
+    assert max(abs(a - b) for a, b in zip(ret.tolist(), ref_ret)) < 1e-9
+
+
+def test_discounted_cumsum_long_sequence():
+    x = torch.rand(10_000, dtype=torch.float64)
+    got = discounted_cumsum(x, 0.999)
+    want, acc = [0.0] * x.numel(), 0.0
+    for t in range(x.numel() - 1, -1, -1):
+        acc = float(x[t]) + 0.999 * acc
+        want[t] = acc
+    assert max(abs(a - b) for a, b in zip(got.tolist(), want)) < 1e-9 * max(want)
+
+
+def _scored(traj, outcome: float, turn_rewards: list[float], **meta):
+    traj.rewards = {"total": outcome + sum(turn_rewards), "outcome": outcome}
+    traj.turn_rewards = list(turn_rewards)
+    traj.metadata.update(meta)
+    return traj
+
+
+LAYOUT3 = [("prompt", 4), ("assistant", 3), ("observation", 2), ("assistant", 2), ("observation", 2),
+           ("assistant", 4)]
+
+
+def test_turn_level_credit_three_turn_hand_example():
+    """Turn rewards [0.1, -0.1, 0.3], gamma 0.5: returns-to-go G = [0.1 - 0.05 + 0.075, -0.1 + 0.15, 0.3]
+    = [0.125, 0.05, 0.3]. The outcome part (group-normalised) is shared by all three turns."""
+    assert turn_returns([0.1, -0.1, 0.3], 0.5).tolist() == pytest.approx([0.125, 0.05, 0.3], abs=1e-12)
+    a = _scored(make_traj(LAYOUT3, seed=1), 1.0, [0.1, -0.1, 0.3], group_id="g")
+    b = _scored(make_traj(LAYOUT3, seed=2), 0.0, [0.1, -0.1, 0.3], group_id="g")
+    lc = LearnerSection(group_size=2, turn_credit=True, gamma=0.5, scale_rewards="none", routing_replay=False)
+    samples = prepare_batch([a, b], FACTS, lc).samples
+    for s, outcome_adv in zip(samples, [0.5, -0.5]):
+        # scored j predicts token j + 1: turn 0 = tokens 4..6, turn 1 = 9..10, turn 2 = 13..16
+        turn_of = {4: 0, 5: 0, 6: 0, 9: 1, 10: 1, 13: 2, 14: 2, 15: 2, 16: 2}
+        want = [outcome_adv + [0.125, 0.05, 0.3][turn_of[int(j) + 1]] for j in s.scored]
+        assert s.advantages.tolist() == pytest.approx(want, abs=1e-12)
+    # without turn credit the total reward is the group statistic and every token gets the same advantage
+    lc = LearnerSection(group_size=2, scale_rewards="none", routing_replay=False)
+    samples = prepare_batch([a, b], FACTS, lc).samples
+    assert samples[0].advantages.tolist() == [0.5] * 9 and samples[1].advantages.tolist() == [-0.5] * 9
+
+
+def _group(rewards, group="g", **fields):
+    out = []
+    for i, r in enumerate(rewards):
+        t = make_traj([("prompt", 3), ("assistant", 4)], seed=10 + i, **fields)
+        out.append(_scored(t, r, [0.0], group_id=group, tokenizer="fp-ok"))
+    return out
+
+
+def test_infra_failed_member_changes_nothing_for_the_others():
+    """Masking, never fake rewards: an infra-failed member leaves its group's other advantages exactly as if
+    it had never been there (its would-be reward does not enter the mean or the std)."""
+    clean = _group([1.0, 0.0, 0.5])
+    failed = make_traj([("prompt", 3), ("assistant", 4)], seed=99, infra_error="sandbox died")
+    failed.metadata.update(group_id="g", tokenizer="fp-ok")
+    lc = LearnerSection(group_size=4, routing_replay=False)
+    with_failed = prepare_batch(clean + [failed], FACTS, lc)
+    without = prepare_batch(clean, FACTS, lc)
+    assert [s.index for s in with_failed.samples] == [0, 1, 2]
+    for a, b in zip(with_failed.samples, without.samples):
+        assert a.advantages.tolist() == b.advantages.tolist()
+    assert with_failed.metrics["learner/infra_errors"] == 1.0 and without.metrics["learner/infra_errors"] == 0
+
+
+def test_selection_counts_every_exclusion():
+    g_ok = _group([1.0, 0.0], group="ok")
+    g_equal = _group([1.0, 1.0, 1.0], group="equal")
+    g_small = _group([1.0], group="small")
+    bad_reward = make_traj([("prompt", 3), ("assistant", 4)], seed=50, reward_error="reward 'x' raised")
+    bad_reward.metadata["group_id"] = "small"
+    unscored = make_traj([("prompt", 3), ("assistant", 4)], seed=51, metadata={"group_id": "ok"})
+    truncated = _group([0.5], group="ok")[0]
+    truncated.truncated = True
+    batch = g_ok + g_equal + g_small + [bad_reward, unscored, truncated]
+    sel = select(batch, grouped=True, group_size=4, overlong_filter=True)
+    assert sel.kept == [0, 1]  # the truncated member stays in group "ok"'s statistics but not in the loss
+    assert sorted(sel.groups["ok"]) == [0, 1, 8]
+    assert sel.counts == {
+        "infra_errors": 0, "reward_errors": 1, "unscored": 1, "no_generated": 0, "small_groups": 1,
+        "small_group_members": 1, "equal_groups": 1, "equal_group_members": 3, "overlong_filtered": 1,
+    }
+    # gae: no groups, only the trainability rules and the overlong filter
+    assert select(batch, grouped=False, group_size=1, overlong_filter=False).kept == [0, 1, 2, 3, 4, 5, 8]
+
+
+def test_oversized_group_is_refused_with_its_members_named():
+    trajs = _group([1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match=r"group 'g' has 3 trajectories \(trajectory 0 \(group_id='g'\)"):
+        select(trajs, grouped=True, group_size=2)
+
+
+def test_gae_samples_get_placed_token_rewards():
+    t = _scored(make_traj(LAYOUT3, seed=3), 1.0, [0.1, -0.1, 0.3], group_id="g", tokenizer="fp-ok")
+    lc = LearnerSection(advantage="gae", group_size=1, routing_replay=False)
+    (s,) = prepare_batch([t], FACTS, lc).samples
+    # last generated token of each turn carries its turn reward; the episode's last carries the outcome
+    assert s.rewards.tolist() == pytest.approx([0, 0, 0.1, 0, -0.1, 0, 0, 0, 1.3], abs=1e-6)
+    assert s.advantages is None  # GAE needs the value model (the learner's first pass)
