@@ -350,7 +350,7 @@ def cli_main(argv: list[str]) -> int:
                 else f"[red]{e.status}[/red] {escape(e.error or '')}"
             )
             table.add_row(*(escape(x) for x in (e.id, e.gym_id, e.source, e.entry_point)), status)
-        Console(width=160).print(table)
+        Console(width=220).print(table)
     broken = [e for e in entries if e.status == "broken"]
     return 1 if args.strict and broken else 0
 
