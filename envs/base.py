@@ -50,7 +50,7 @@ from typing import Any, ClassVar, Protocol
 
 import gymnasium
 
-from envs.dataset import DatasetRow, as_row
+from envs.dataset import DatasetRow, TaskDataset, as_row
 from envs.spaces import ChatMessages, ChatText
 from envs.tool_call import EXPECTED_FORMAT, ToolCallError, parse_tool_calls
 from envs.tools import ToolArgumentError, ToolDefinitionError, ToolError, ToolSpec
@@ -83,6 +83,7 @@ class ToolEnv(gymnasium.Env):
     env_id: str = "tool-env"
     uses_sandbox: bool = False  # a subclass (or an instance, before reset) may switch it on
     default_max_turns: ClassVar[int] = 10
+    rows_only: ClassVar[bool] = False  # tasks come only from dataset rows (env.dataset is required)
     instructions: ClassVar[str] = "You solve the task by calling tools."
     #: filled by __init_subclass__: tool name -> spec, in declaration order (base classes first)
     _tool_specs: ClassVar[dict[str, ToolSpec]] = {}
@@ -146,6 +147,20 @@ class ToolEnv(gymnasium.Env):
             "from seeds. Remove env.dataset, use an env that takes rows (dataset-qa, reasoning-gym/<name>, "
             "skyrl/<env>), or implement task_from_row(self, row) -> task in the env"
         )
+
+    @classmethod
+    def dataset_problems(cls, data: TaskDataset | None) -> list[str]:
+        """What is wrong with running this env on `data` (the run's env.dataset, or None); checked at
+        config load. Envs with requirements on the rows (an answer column) extend it."""
+        if data is None:
+            need = f"{cls.__name__} takes its tasks from dataset rows; set env.dataset (a .jsonl or .parquet)"
+            return [need] if cls.rows_only else []
+        if cls.task_from_row is ToolEnv.task_from_row:
+            return [
+                f"{cls.__name__} generates its tasks from seeds and does not take dataset rows; remove "
+                "env.dataset, or use an env that takes rows (dataset-qa, reasoning-gym/<name>, skyrl/<env>)"
+            ]
+        return []
 
     def first_messages(self) -> list[Message]:
         """The conversation's start for `self.task`: [system, user(prompt)]. A task whose prompt is a list of

@@ -86,7 +86,18 @@ class DatasetRow:
         return msgs
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "columns": self.columns}
+        """JSON form (stored with a trajectory as metadata["dataset_row"], and in checkpoints)."""
+        return {
+            "index": self.index,
+            "columns": self.columns,
+            "prompt_field": self.prompt_field,
+            "answer_field": self.answer_field,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DatasetRow:
+        return cls(int(d["index"]), dict(d["columns"]), d.get("prompt_field", "prompt"),
+                   d.get("answer_field", "answer"))
 
 
 def as_row(row: DatasetRow | Mapping[str, Any]) -> DatasetRow:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.dataset import DatasetRow
+from envs.dataset import DatasetRow, TaskDataset
 from envs.text_env import TextEnv, TextReply
 from envs.verifiers import DEFAULT_TIMEOUT_S, make_verifier
 
@@ -51,6 +51,7 @@ class DatasetQAEnv(TextEnv):
 
     env_id = "dataset-qa"
     default_max_turns = 1
+    rows_only = True
 
     def __init__(
         self,
@@ -71,6 +72,20 @@ class DatasetQAEnv(TextEnv):
         self.multi_turn = bool(multi_turn)
         self.instructions = str(instructions)
         self.feedback = str(feedback)
+
+    @classmethod
+    def dataset_problems(cls, data: TaskDataset | None) -> list[str]:
+        out = super().dataset_problems(data)
+        if data is not None:
+            missing = [i for i, r in enumerate(data.rows) if r.get(data.answer_field) is None]
+            if missing:
+                out.append(
+                    f"dataset-qa needs a ground truth in column {data.answer_field!r}, missing in "
+                    f"{len(missing)} rows (first: row {missing[0]}, columns "
+                    f"{', '.join(data.rows[missing[0]])}); set env.dataset.answer_field to the column that "
+                    "holds it"
+                )
+        return out
 
     def generate_task(self, seed: int, options: dict[str, Any]) -> QATask:
         raise ValueError(

@@ -154,7 +154,12 @@ def _check_trl_params(name: str, fn: Callable, sig: inspect.Signature, params: d
     column (rl.config checks it against env.dataset's columns)."""
     ps = trl_form.const_params(fn)
     accepted = [p.name for p in ps if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    optional = [p.replace(default=None) if p.default is inspect.Parameter.empty else p for p in ps]
+    optional = [
+        p.replace(default=None)
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        else p
+        for p in ps
+    ]
     try:
         _params_model(fn, optional).model_validate(params)
     except ValidationError as e:

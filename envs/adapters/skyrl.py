@@ -61,6 +61,7 @@ class SkyRLEnv(TextEnv):
     """SkyRL-gym env `env` with `env_config`. Args: step_timeout_s, and the ToolEnv arguments."""
 
     default_max_turns = 1
+    rows_only = True
 
     def __init__(
         self,
