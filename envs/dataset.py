@@ -201,7 +201,7 @@ def split_rows(n: int, eval_size: float, seed: int) -> tuple[np.ndarray, np.ndar
     if eval_size >= 1:
         if eval_size != int(eval_size):
             raise DatasetError(
-                f"eval_size {eval_size} is >= 1, so it counts rows and must be a whole number; "
+                f"eval_size {eval_size:g} is >= 1, so it counts rows and must be a whole number; "
                 "use a fraction below 1 (e.g. 0.1) or a count (e.g. 50)"
             )
         n_eval = int(eval_size)
@@ -209,7 +209,7 @@ def split_rows(n: int, eval_size: float, seed: int) -> tuple[np.ndarray, np.ndar
         n_eval = max(1, round(eval_size * n)) if eval_size > 0 else 0
     if n_eval >= n:
         raise DatasetError(
-            f"eval_size {eval_size} holds out {n_eval} of the {n} rows and leaves none to train on; "
+            f"eval_size {eval_size:g} holds out {n_eval} of the {n} rows and leaves none to train on; "
             "lower env.dataset.eval_size"
         )
     perm = np.random.default_rng(int(seed)).permutation(n)
