@@ -316,6 +316,10 @@ class RolloutWorker:
 
     async def run_one(self, sample: Sample) -> Trajectory:
         """One episode of `sample`: play, score, store. Always returns a trajectory."""
+        return await self.finish(await self.play(sample))
+
+    async def play(self, sample: Sample) -> Trajectory:
+        """Play one episode of `sample` (unscored). Always returns a trajectory."""
         s = self.settings
         task = sample.task
         meta = {**sample.metadata(), "worker_id": self.worker_id}
@@ -341,6 +345,10 @@ class RolloutWorker:
                 reset_options=task.reset_options() or None,
                 metadata=meta,
             )
+        return traj
+
+    async def finish(self, traj: Trajectory) -> Trajectory:
+        """Score `traj` (async rewards are awaited here; other episodes go on), store it, count it."""
         if self._specs:
             from rewards import acompose
 
@@ -351,8 +359,9 @@ class RolloutWorker:
         return traj
 
     async def run(self, samples: Sequence[Sample], return_trajectories: bool = False) -> dict:
-        """Run `samples` (at most `concurrency` at once). Returns the report dict (and the
-        trajectories under "trajectories" when asked; in-process use)."""
+        """Run `samples` (at most `concurrency` played at once; scoring does not hold a slot, so the next
+        episode plays while an async reward waits). Returns the report dict (and the trajectories under
+        "trajectories" when asked; in-process use)."""
         t0 = time.perf_counter()
         f0 = self.engine.stats.get("forward_s", 0.0) if hasattr(self.engine, "stats") else 0.0
         self._report, self._done = WorkerReport(), 0
@@ -361,16 +370,17 @@ class RolloutWorker:
         trajs: list[Trajectory | None] = [None] * len(samples)
 
         async def one(j: int, sample: Sample) -> None:
-            async with sem:
-                self._in_flight += 1
-                try:
-                    trajs[j] = await self.run_one(sample)
-                except Exception:  # scoring/storing bugs: surface, but after the other episodes
-                    traceback.print_exc()
-                    raise
-                finally:
-                    self._in_flight -= 1
-                    self._done += 1
+            self._in_flight += 1
+            try:
+                async with sem:  # bounds the episodes being played; a slow judge scores outside the slot
+                    traj = await self.play(sample)
+                trajs[j] = await self.finish(traj)
+            except Exception:  # scoring/storing bugs: surface, but after the other episodes
+                traceback.print_exc()
+                raise
+            finally:
+                self._in_flight -= 1
+                self._done += 1
 
         results = await asyncio.gather(*(one(j, x) for j, x in enumerate(samples)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
