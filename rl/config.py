@@ -124,6 +124,7 @@ class RewardEntry(_Section):
     weight: float = 1.0
     params: dict[str, Any] = Field(default_factory=dict)
     key: str | None = None
+    timeout_s: float | None = Field(None, gt=0.0)  # async rewards only: limit of one call (None = 60 s)
 
 
 class RolloutSection(_Section):
@@ -299,6 +300,12 @@ class RunConfig(_Section):
 def _budget_problems(c: RunConfig) -> list[str]:
     r, lr = c.rollout, c.learner
     out = []
+    if r.sandbox_image is not None and r.sandbox_pool_size == 0:
+        out.append(
+            f"rollout.sandbox_image ({r.sandbox_image!r}) is the image of each worker's shared sandbox pool, "
+            "and rollout.sandbox_pool_size=0 starts none (envs then lease from the default pool on the "
+            "default image); set rollout.sandbox_pool_size >= 1 or remove rollout.sandbox_image"
+        )
     if r.max_new_tokens > r.max_tokens:
         out.append(
             f"rollout.max_new_tokens ({r.max_new_tokens}) exceeds rollout.max_tokens ({r.max_tokens}), the "

@@ -298,8 +298,6 @@ class RolloutWorker:
 
         kwargs = dict(self.settings.env_kwargs)
         kwargs.setdefault("tools_in_prompt", False)  # the chat template renders the tool schemas
-        if self.settings.sandbox_image and self._pool is None:
-            kwargs.setdefault("sandbox_image", self.settings.sandbox_image)
         return envs.make(self.settings.env_id, sandbox_pool=self._pool, **kwargs)
 
     # ------------------------------------------------------------------ episodes
