@@ -130,3 +130,20 @@ async def judge(prompts, completions, completion_ids, answer, *, url: str, **kwa
             *(client.post(url, json={"completion": t, "answer": a}) for t, a in zip(texts, answer))
         )
     return [float(r.json()["score"]) for r in replies]
+
+
+def blocking_judge(prompts, completions, completion_ids, answer, *, url: str, **kwargs) -> list[float]:
+    """The same judge as a plain def with blocking HTTP calls, one after another (bench/rewards.py's
+    baseline: what a sync judge does to the event loop that serves the engine)."""
+    import json
+    import urllib.request
+
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    out = []
+    for t, a in zip(texts, answer):
+        req = urllib.request.Request(
+            url, json.dumps({"completion": t, "answer": a}).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req) as r:
+            out.append(float(json.loads(r.read())["score"]))
+    return out

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -17,57 +15,12 @@ from envs.dataset import TaskDataset
 from rl.rollout.agent_loop import EpisodeConfig
 from rl.rollout.tasks import TaskStream
 from rl.rollout.worker import RolloutWorker, WorkerSettings
-
-JUDGE_DELAY_S = 1.0
-
-
-class StubJudge:
-    """POST /judge answers {"score": 1.0 if the answer is in the completion else 0.0} after JUDGE_DELAY_S;
-    POST /hang answers only after a minute. Records each /judge request's arrival and answer times."""
-
-    def __init__(self) -> None:
-        stub = self
-        self.windows: list[tuple[float, float]] = []
-        self.lock = threading.Lock()
-        self.now = self.peak = 0
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                t0 = time.monotonic()
-                with stub.lock:
-                    stub.now += 1
-                    stub.peak = max(stub.peak, stub.now)
-                time.sleep(60 if self.path == "/hang" else JUDGE_DELAY_S)
-                with stub.lock:
-                    stub.now -= 1
-                    stub.windows.append((t0, time.monotonic()))
-                out = json.dumps({"score": float(body["answer"] in body["completion"])}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                try:
-                    self.wfile.write(out)
-                except OSError:  # the client gave up (the hung judge's timeout)
-                    pass
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+from tests.judge_stub import StubJudge
 
 
 @pytest.fixture(scope="module")
 def judge_server():
-    stub = StubJudge()
+    stub = StubJudge(delay_s=1.0)
     yield stub
     stub.close()
 
