@@ -4,7 +4,8 @@ tasks, the scores, real episodes of a RolloutWorker, the sandbox pool it would s
 objects); the observation must change. A key without a probe fails `test_every_key_has_a_probe`, so a knob
 that nothing reads cannot be added silently.
 
-To cover another section, add it to SECTIONS and a probe per key to PROBES.
+To cover another section, add it to SECTIONS and a probe per key to PROBES. Keys that act only inside a
+running training loop on Ray are in RUN_ONLY with the test that shows their effect.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from rl.config import RunConfig, _leaf_paths, _submodel, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-SECTIONS = ("model", "env", "rewards", "rollout", "logging")
+SECTIONS = ("model", "env", "rewards", "rollout", "logging", "learner", "orchestrator")
 # playing real episodes: multi-turn dataset-qa (wrong answers get another try), short turns
 PLAY = (
     "env.kwargs={verifier: exact-match, multi_turn: true}",
@@ -37,12 +38,14 @@ PLAY = (
 
 @dataclass(frozen=True)
 class Probe:
-    """override: "key=value" (YAML value); observe(cfg): what the run builds from it; base: overrides of
-    configs/quickstart.yaml both configs start from."""
+    """override: "key=value" (YAML value); observe(cfg): what the run builds from it; base: overrides both
+    configs start from; start: "quickstart" (configs/quickstart.yaml) or "learner" (the small policy of
+    tests/learner_fixtures.py, which its scored batches fit)."""
 
     override: str
     observe: Callable[[RunConfig], Any]
     base: tuple[str, ...] = ()
+    start: str = "quickstart"
 
 
 # ---- observers: the run's own builders ----------------------------------------------------------------
@@ -202,6 +205,80 @@ def progress_lines(cfg: RunConfig) -> int:
     return out.getvalue().count("odyssey train: step")
 
 
+def _batch(kind: str) -> list:
+    """Scored trajectories for the small policy. "ragged": groups of single-turn episodes (rewards 0/1/2);
+    "turns": two-turn episodes with per-turn rewards, a quarter of them truncated."""
+    import numpy as np
+
+    from tests.learner_fixtures import ragged_batch, scored_traj
+
+    if kind == "ragged":
+        return ragged_batch(seed=0)
+    rng = np.random.default_rng(1)
+    out = []
+    for g in range(2):
+        for i in range(4):
+            layout = [("prompt", 6), ("assistant", 5 + i), ("observation", 3), ("assistant", 4 + g)]
+            t = scored_traj(rng, layout, float(i % 3), f"g{g}", truncated=(i == 3))
+            t.turn_rewards = [0.25 * (i % 2), 0.0]
+            out.append(t)
+    return out
+
+
+def _learner_run(cfg: RunConfig, batch: str) -> dict[str, Any]:
+    """Two `Learner.step`s (rl/learner/learner.py) on a fixed batch: every metric but timings, the learning
+    rate of each step, a checksum of the weights after them, and whether layers recompute activations."""
+    from rl.learner import Learner
+
+    torch.manual_seed(0)
+    learner = Learner(cfg)
+    trajs = _batch(batch)
+    steps = [learner.step(trajs) for _ in range(2)]
+    timing = ("learner/step_s", "learner/tokens_per_s")
+    return {
+        "metrics": [{k: round(float(v), 6) for k, v in m.items() if k not in timing} for m in steps],
+        "weights": round(float(sum(p.detach().double().sum() for p in learner.module.parameters())), 6),
+        "checkpointing": bool(getattr(learner.policy, "is_gradient_checkpointing", False)),
+    }
+
+
+@functools.cache
+def _learner_cached(cfg_json: str, batch: str) -> dict[str, Any]:
+    return _learner_run(RunConfig.model_validate_json(cfg_json), batch)
+
+
+def learner_steps(batch: str = "ragged") -> Callable[[RunConfig], Any]:
+    def observe(cfg: RunConfig) -> Any:
+        return _learner_cached(cfg.model_dump_json(), batch)
+
+    return observe
+
+
+def dynamic_sampling(cfg: RunConfig) -> dict[str, Any]:
+    """Feed the training loop (Trainer._on_finished) 3 complete groups whose members all scored the same:
+    how many it keeps for the learner and how many it discards."""
+    from rl.rollout.dispatch import Finished
+    from rl.train.loop import Trainer
+    from tests.traj_factory import make_traj
+
+    trainer = Trainer(cfg)
+    for i in range(3):
+        task = trainer.stream.task(i)
+        for s in trainer.stream.samples(task, trainer.group_size):
+            t = make_traj([("prompt", 3), ("assistant", 2)], outcome=0.0, metadata=s.metadata())
+            t.rewards = {"total": 0.0}
+            trainer._on_finished(Finished(s, t, 0, final=True))
+    return {"kept": len(trainer.buffer), "discarded": trainer.step_counts.get("discarded/zero_variance", 0)}
+
+
+def held_out(cfg: RunConfig) -> list:
+    """The held-out samples the training loop evaluates on (Trainer._evaluate's eval_samples call)."""
+    from rl.train.eval import eval_samples
+
+    o = cfg.orchestrator
+    return [s.key for s in eval_samples(cfg, o.eval_episodes, o.eval_pass_k, o.eval_difficulties)]
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     """A saved tiny policy whose weights differ from the fresh init (seed 1 instead of learner.seed 0)."""
@@ -274,6 +351,80 @@ PROBES: dict[str, Probe] = {
     "logging.log_every": Probe("logging.log_every=2", progress_lines),
 }
 
+GAE = ("learner.advantage=gae",)
+EPOCHS = ("learner.ppo_epochs=2",)  # PPO clipping acts from the second update of a batch (ratio 1 before)
+CRITIC = (*GAE, "learner.value_model=critic")
+L, T = "learner", learner_steps("turns")
+PROBES |= {
+    # learner: two real Learner steps on a fixed batch (the small policy of tests/learner_fixtures.py)
+    "learner.advantage": Probe("learner.advantage=rloo", learner_steps(), start=L),
+    "learner.policy_loss": Probe("learner.policy_loss=cispo", learner_steps(), start=L),
+    "learner.steps": Probe("learner.steps=2", learner_steps(), ("learner.lr_schedule=cosine",), L),
+    "learner.lr": Probe("learner.lr=1e-3", learner_steps(), start=L),
+    "learner.lr_schedule": Probe("learner.lr_schedule=linear", learner_steps(), ("learner.steps=3",), L),
+    "learner.warmup_steps": Probe("learner.warmup_steps=2", learner_steps(), start=L),
+    "learner.weight_decay": Probe("learner.weight_decay=0.5", learner_steps(), start=L),
+    "learner.betas": Probe("learner.betas=[0.5, 0.6]", learner_steps(), start=L),
+    "learner.grad_clip": Probe("learner.grad_clip=1e-6", learner_steps(), start=L),
+    "learner.group_size": Probe("learner.group_size=2", trainer("group_size")),  # samples drawn per task
+    "learner.scale_rewards": Probe("learner.scale_rewards=none", learner_steps(), start=L),
+    "learner.turn_credit": Probe("learner.turn_credit=true", T, start=L),
+    "learner.clip_eps_low": Probe("learner.clip_eps_low=0.01", learner_steps(), EPOCHS, L),
+    "learner.clip_eps_high": Probe("learner.clip_eps_high=0.01", learner_steps(), EPOCHS, L),
+    "learner.kl_coef": Probe("learner.kl_coef=0.5", learner_steps(), start=L),
+    "learner.kl_estimator": Probe("learner.kl_estimator=k1", learner_steps(), ("learner.kl_coef=0.5",), L),
+    "learner.entropy_coef": Probe("learner.entropy_coef=0.5", learner_steps(), start=L),
+    "learner.loss_agg": Probe("learner.loss_agg=seq_mean_token_sum", learner_steps(), start=L),
+    "learner.overlong_filter": Probe("learner.overlong_filter=true", T, start=L),
+    "learner.tis_cap": Probe("learner.tis_cap=null", learner_steps(), start=L),
+    "learner.mis_band": Probe("learner.mis_band=[0.5, 2.0]", learner_steps(), start=L),
+    "learner.mis_level": Probe(
+        "learner.mis_level=sequence", learner_steps(), ("learner.mis_band=[0.5, 2.0]",), L
+    ),
+    "learner.routing_replay": Probe("learner.routing_replay=false", learner_steps(), start=L),
+    "learner.ppo_epochs": Probe("learner.ppo_epochs=2", learner_steps(), start=L),
+    "learner.num_minibatches": Probe("learner.num_minibatches=2", learner_steps(), start=L),
+    "learner.gamma": Probe("learner.gamma=0.5", T, GAE, L),
+    "learner.gae_lambda": Probe("learner.gae_lambda=0.5", T, GAE, L),
+    "learner.value_model": Probe("learner.value_model=critic", learner_steps(), GAE, L),
+    "learner.critic_preset": Probe("learner.critic_preset=tiny", learner_steps(), CRITIC, L),
+    "learner.value_coef": Probe("learner.value_coef=2.0", learner_steps(), GAE, L),
+    "learner.value_clip": Probe("learner.value_clip=1e-4", learner_steps(), (*GAE, *EPOCHS), L),
+    "learner.micro_batch_tokens": Probe("learner.micro_batch_tokens=64", learner_steps(), start=L),
+    "learner.activation_checkpointing": Probe(
+        "learner.activation_checkpointing=true", learner_steps(), start=L
+    ),
+    "learner.num_ranks": Probe("learner.num_ranks=2", ray_demand, start=L),
+    "learner.seed": Probe("learner.seed=3", learner_steps(), start=L),
+    # orchestrator: the training loop's own objects and decisions (no Ray)
+    "orchestrator.rollout_resources": Probe("orchestrator.rollout_resources={CPU: 2}", ray_demand),
+    "orchestrator.learner_resources": Probe("orchestrator.learner_resources={CPU: 3}", ray_demand),
+    "orchestrator.max_staleness": Probe("orchestrator.max_staleness=0", trainer("k")),
+    "orchestrator.dynamic_sampling": Probe("orchestrator.dynamic_sampling=true", dynamic_sampling),
+    "orchestrator.dynamic_sampling_cap": Probe(
+        "orchestrator.dynamic_sampling_cap=1.0", dynamic_sampling, ("orchestrator.dynamic_sampling=true",)
+    ),
+    "orchestrator.buffer_order": Probe(
+        "orchestrator.buffer_order=length", lambda c: trainer("buffer")(c).order
+    ),
+    "orchestrator.weight_sync_timeout_s": Probe(
+        "orchestrator.weight_sync_timeout_s=5", lambda c: trainer("sync")(c).timeout_s
+    ),
+    "orchestrator.eval_episodes": Probe("orchestrator.eval_episodes=8", held_out),
+    "orchestrator.eval_pass_k": Probe("orchestrator.eval_pass_k=2", held_out),
+    "orchestrator.eval_difficulties": Probe("orchestrator.eval_difficulties=[0, 1]", held_out, ARITH),
+}
+
+#: keys whose effect shows only inside a running training loop on Ray: the test that shows it
+RUN_ONLY: dict[str, str] = {
+    "orchestrator.max_infra_retries": "tests/test_train_ray.py (infra re-runs)",
+    "orchestrator.max_worker_restarts": "tests/test_train_ray.py (a rollout worker killed mid-step)",
+    "orchestrator.checkpoint_every": "tests/test_train_ray.py (kill -9 of the driver, then resume)",
+    "orchestrator.keep_checkpoints": "tests/test_train_unit.py (checkpoints are pruned)",
+    "orchestrator.resume": "tests/test_train_ray.py (kill -9 of the driver, then resume)",
+    "orchestrator.eval_every": "tests/test_train_ray.py (eval_every runs held-out eval)",
+}
+
 
 def covered_keys() -> list[str]:
     """Leaf keys of SECTIONS (list items as N); a sub-section (env.dataset) is covered by its keys."""
@@ -294,19 +445,34 @@ def covered_keys() -> list[str]:
 def test_every_key_has_a_probe():
     keys = covered_keys()
     assert "env.dataset.seed" in keys and "rewards.N.timeout_s" in keys and "rollout.seed" in keys
-    missing = [k for k in keys if k not in PROBES]
+    missing = [k for k in keys if k not in PROBES and k not in RUN_ONLY]
     assert not missing, f"config keys without a probe of their effect (tests/test_config_keys.py): {missing}"
-    assert not [k for k in PROBES if k not in keys], "probes of keys that do not exist"
+    assert not [k for k in [*PROBES, *RUN_ONLY] if k not in keys], "probes of keys that do not exist"
 
 
-def _load(overrides: list[str], fill: dict[str, str]) -> RunConfig:
-    """configs/quickstart.yaml with the run dir in the test's tmp dir, then `overrides`."""
+def test_learner_observation_is_deterministic(tmp_path):
+    """A probe can only fail if the same config observes the same: two fresh learner runs agree exactly."""
+    cfg = _load([], {"tmp": str(tmp_path)}, "learner")
+    assert _learner_run(cfg, "ragged") == _learner_run(cfg, "ragged")
+
+
+def _load(overrides: list[str], fill: dict[str, str], start: str = "quickstart") -> RunConfig:
+    """The start config with the run dir in the test's tmp dir, then `overrides`."""
+    from rl.config import apply_override, validate_config
+    from tests.learner_fixtures import small_config
+
     def filled(o: str) -> str:
         for name, value in fill.items():
             o = o.replace(f"<{name}>", value)
         return o
 
-    return load_config(QUICKSTART, [f"logging.run_dir={fill['tmp']}/run", *map(filled, overrides)])
+    overrides = [f"logging.run_dir={fill['tmp']}/run", *map(filled, overrides)]
+    if start == "quickstart":
+        return load_config(QUICKSTART, overrides)
+    data = small_config().model_dump(mode="json")
+    for o in overrides:
+        apply_override(data, o)
+    return validate_config(data)
 
 
 @pytest.mark.slow
@@ -314,8 +480,8 @@ def _load(overrides: list[str], fill: dict[str, str]) -> RunConfig:
 def test_key_has_an_effect(key, checkpoint, two_column_data, tmp_path):
     probe = PROBES[key]
     fill = {"checkpoint": checkpoint, "two_column_data": two_column_data, "tmp": str(tmp_path)}
-    base = _load(list(probe.base), fill)
-    changed = _load([*probe.base, probe.override], fill)
+    base = _load(list(probe.base), fill, probe.start)
+    changed = _load([*probe.base, probe.override], fill, probe.start)
     name = probe.override.split("=", 1)[0]
     assert changed.model_dump() != base.model_dump(), f"{probe.override} did not change the config"
     before, after = probe.observe(base), probe.observe(changed)
