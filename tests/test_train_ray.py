@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -85,8 +86,8 @@ def cluster():
         f"--ray-client-server-port={_free_port()}", "--num-cpus=3", '--resources={"rollout_node": 8}',
         f"--temp-dir={tmp}", "--disable-usage-stats",
     ]  # fmt: skip
-    node_cmd = [
-        ray, "start", "--block", f"--address=127.0.0.1:{port}", "--num-cpus=2",
+    node_cmd = [  # its own temp dir: two nodes on one machine must not share runtime-env package dirs
+        ray, "start", "--block", f"--address=127.0.0.1:{port}", "--num-cpus=2", f"--temp-dir={tmp}/n2",
         '--resources={"learner_node": 4}', "--disable-usage-stats",
     ]  # fmt: skip
     logs = [open(tmp / "head.log", "w"), open(tmp / "node.log", "w")]
@@ -251,7 +252,8 @@ def test_kill9_async_resume_trains_every_sample_exactly_once(cluster, tmp_path):
     _finish(_train(cluster, ref, *args), ref)
     _kill9_after_checkpoint(_train(cluster, cut, *args), cut, step=1)
     out = _finish(_train(cluster, cut, *args), cut)
-    assert "resuming from checkpoint" in out
+    requeued = re.search(r"resuming from checkpoint \S+ \(step 1, (\d+) episodes re-queued", out)
+    assert requeued and int(requeued.group(1)) > 0, out[-3000:]  # episodes were in flight at the kill
     trained = [e["trained"] for e in _ledger(cut)]
     assert trained == [e["trained"] for e in _ledger(ref)] == _expected_keys(3)
     from rl.trajectory import TrajectoryStore
@@ -260,6 +262,7 @@ def test_kill9_async_resume_trains_every_sample_exactly_once(cluster, tmp_path):
     assert len(stored) == len(set(stored)) and set(sum(trained, [])) <= set(stored)
     for r, c in zip(_metrics(ref), _metrics(cut)):
         assert r["episodes"] == c["episodes"] == 4 and c["staleness/max"] <= 1
+        assert r["learner/optimizer_steps"] == c["learner/optimizer_steps"]  # optimizer state continued
     w_ref, w_cut, w1 = _weights(ref, 3), _weights(cut, 3), _weights(ref, 1)
     moved = sum(float((w_ref[k] - w1[k]).float().norm() ** 2) for k in w1) ** 0.5
     apart = sum(float((w_ref[k] - w_cut[k]).float().norm() ** 2) for k in w1) ** 0.5
@@ -373,3 +376,42 @@ def test_odyssey_eval_on_a_training_checkpoint(ray_session, tmp_path):
         assert 0.0 <= res[f"arith/d{d}/success"] <= res[f"arith/d{d}/pass@2"] <= 1.0
         assert res[f"arith/d{d}/greedy"] is not None
     assert cli_main(["configs/tiny.yaml", "--checkpoint", str(tmp_path), "--episodes", "4"]) == 2
+
+
+class _SyncProbe:
+    """A worker stand-in for the weight-sync health check: answers right, with another version, or late."""
+
+    def __init__(self, mode: str):
+        self.mode, self.total = mode, None
+
+    async def update_weights(self, weights, version):
+        import asyncio
+
+        (ref,) = weights  # handed over unresolved: this actor fetches the one stored object itself
+        sd = await ref
+        self.total = float(sum(float(v.sum()) for v in sd.values()))
+        if self.mode == "slow":
+            await asyncio.sleep(60)
+        return version - 1 if self.mode == "wrong" else version
+
+    async def received(self):
+        return self.total
+
+
+@pytest.mark.timeout(300)
+def test_weight_sync_broadcasts_one_object_and_health_checks_workers(ray_session):
+    import ray
+
+    from rl.train.weight_sync import WeightSync
+
+    cls = ray.remote(num_cpus=0)(_SyncProbe)
+    probes = {0: cls.remote("ok"), 1: cls.remote("wrong"), 2: cls.remote("slow"), 3: cls.remote("ok")}
+    ray.get([p.received.remote() for p in probes.values()], timeout=120)  # started (as workers are by then)
+    sync = WeightSync(timeout_s=5)
+    sync.publish(ray.put({"w": torch.ones(3), "b": torch.full((2,), 2.0)}), version=7)
+    failed = sync.push(probes)
+    assert set(failed) == {1, 2}, failed
+    assert "reports version 6, expected 7" in failed[1] and "no answer" in failed[2]
+    assert ray.get([probes[0].received.remote(), probes[3].received.remote()]) == [7.0, 7.0]
+    for p in probes.values():
+        ray.kill(p)

@@ -12,10 +12,10 @@ the sampling draws from the sample's own seed (greedy samples decode at temperat
 Episodes run as asyncio tasks (at most `settings.concurrency` at once in `run`; the dispatcher keeps
 at most that many `run_sample` calls in flight) that share one batched engine (`engine.agenerate`),
 so their decode steps are batched together while others wait on the sandbox. Each finished episode
-is scored with `rewards.compose` (configured specs), appended to the `TrajectoryStore` when the
-worker has one (in-process use; on Ray the driver stores what `run_sample` returns) and counted in
-the worker's statistics. Every sample yields exactly one trajectory: failures come back as
-trajectories marked `infra_error` (see agent_loop.py).
+is scored with `rewards.compose` (configured specs) and counted in the worker's statistics; `run`
+appends it to the worker's `TrajectoryStore` at once (in-process use), while `run_sample` returns it
+to the caller, which stores it (on Ray, the driver: workers need no shared disk). Every sample yields
+exactly one trajectory: failures come back as trajectories marked `infra_error` (see agent_loop.py).
 """
 
 from __future__ import annotations
@@ -263,18 +263,21 @@ class RolloutWorker:
     # ------------------------------------------------------------------ env + sandbox
     async def _ensure_pool(self) -> None:
         """Start the shared SandboxPool once, if configured and the env actually uses sandboxes."""
-        if self._pool is not None or self._pool_checked or not self.settings.shared_pool:
+        if self._pool_checked or not self.settings.shared_pool:
             return
         if self._pool_lock is None:
             self._pool_lock = asyncio.Lock()
-        async with self._pool_lock:  # concurrent first episodes start one pool, not several
-            await self._start_pool()
+        async with self._pool_lock:  # concurrent first episodes wait for one pool to be started
+            if not self._pool_checked:
+                try:
+                    await self._start_pool()
+                finally:
+                    self._pool_checked = True
 
     async def _start_pool(self) -> None:
         s = self.settings
-        if self._pool is not None or self._pool_checked:
+        if self._pool is not None:  # injected (tests)
             return
-        self._pool_checked = True
         try:
             probe = self.make_env()  # constructing an env leases nothing
         except Exception:  # no pool; run_one stores each episode marked with the construction error
@@ -287,9 +290,9 @@ class RolloutWorker:
         from sandbox.pool import SandboxPool
 
         size = s.sandbox_pool_size or s.concurrency
-        self._pool = SandboxPool(size=max(1, size), image=s.sandbox_image or DEFAULT_IMAGE)
-        self._own_pool = True
-        await self._pool.start()
+        pool = SandboxPool(size=max(1, size), image=s.sandbox_image or DEFAULT_IMAGE)
+        await pool.start()
+        self._pool, self._own_pool = pool, True  # visible to episodes only once started
 
     def make_env(self) -> Any:
         if self._env_factory is not None:
@@ -302,8 +305,8 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ episodes
     async def run_sample(self, sample: Sample) -> Trajectory:
-        """One episode of `sample`: play, score, store (when the worker has a store). Always returns a
-        trajectory (failures are marked `infra_error`)."""
+        """One episode of `sample`: play and score; the caller stores what it returns (on Ray, the driver:
+        rl/rollout/dispatch.py). Always returns a trajectory (failures are marked `infra_error`)."""
         await self._ensure_pool()
         self._in_flight += 1
         try:
@@ -313,7 +316,7 @@ class RolloutWorker:
             self._done += 1
 
     async def run_one(self, sample: Sample) -> Trajectory:
-        """One episode of `sample`: play, score, store. Always returns a trajectory."""
+        """One episode of `sample`: play and score. Always returns a trajectory."""
         return await self.finish(await self.play(sample))
 
     async def play(self, sample: Sample) -> Trajectory:
@@ -346,13 +349,11 @@ class RolloutWorker:
         return traj
 
     async def finish(self, traj: Trajectory) -> Trajectory:
-        """Score `traj` (async rewards are awaited here; other episodes go on), store it, count it."""
+        """Score `traj` (async rewards are awaited here; other episodes go on) and count it."""
         if self._specs:
             from rewards import acompose
 
             await acompose(traj, self._specs)  # async rewards (judges) wait here, not on the event loop
-        if self.store is not None:
-            await asyncio.to_thread(self.store.append, traj)
         self._report.add(traj)
         return traj
 
@@ -372,7 +373,9 @@ class RolloutWorker:
             try:
                 async with sem:  # bounds the episodes being played; a slow judge scores outside the slot
                     traj = await self.play(sample)
-                trajs[j] = await self.finish(traj)
+                trajs[j] = traj = await self.finish(traj)
+                if self.store is not None:  # at once: a crash loses at most the episodes in flight
+                    await asyncio.to_thread(self.store.append, traj)
             except Exception:  # scoring/storing bugs: surface, but after the other episodes
                 traceback.print_exc()
                 raise

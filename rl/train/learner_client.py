@@ -58,6 +58,12 @@ def placed_learner_group(cfg: Any) -> Any:
     resources = cfg.orchestrator.learner_resources
 
     class PlacedLearnerRank(LearnerRank):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # save_pretrained's shard bars would flood the driver's log
+            super().__init__(*args, **kwargs)
+
         def info(self) -> dict:
             """pid and Ray node id of this rank (placement.json, tests)."""
             import os

@@ -135,7 +135,6 @@ class Trainer:
         self.ledger_discarded: list[str] = []
         self.learner: LearnerClient | None = None
         self.dispatcher: Dispatcher | None = None
-        self._phase_s: dict[str, float] = {}
 
     # ------------------------------------------------------------------ setup
     def _log(self, msg: str) -> None:
@@ -187,6 +186,12 @@ class Trainer:
             aside.mkdir(exist_ok=True)
             for p in later:
                 os.replace(p, aside / p.name)
+        changed = _config_changes(self.run_dir, self.cfg)
+        if changed:
+            self._log(
+                f"note: the config differs from the run's config.yaml in {', '.join(changed)}; "
+                "resuming with the new values"
+            )
         self.state.resumes.append({"from_step": self.state.step, "time": time.time()})
         self._log(
             f"resuming from checkpoint {ckpt} (step {self.state.step}, {len(self.state.pending)} episodes "
@@ -440,14 +445,15 @@ class Trainer:
                     counters=counts,
                     evaluation=evaluation,
                 )
+                self.metrics.append(rec)
+                if self.state.step < total:  # the next rollouts start before the checkpoint is written
+                    self._draw(busy=False)
+                    self._poll(timeout=0)
                 due = o.checkpoint_every and self.state.step % o.checkpoint_every == 0
                 if due or self.state.step == total:
-                    self.metrics.append(rec)
-                    rec_ckpt_s = self._checkpoint()
+                    ckpt_s = self._checkpoint()
                     last_ckpt = self.state.step
-                    progress.note(f"checkpoint at step {self.state.step} ({rec_ckpt_s:.1f} s)")
-                else:
-                    self.metrics.append(rec)
+                    progress.note(f"checkpoint at step {self.state.step} ({ckpt_s:.1f} s)")
                 progress.update(rec)
         evals = _read_jsonl(self.run_dir / EVAL_FILE)
         return {
@@ -493,6 +499,26 @@ def run_samples(
             elif on_other is not None:
                 on_other(f)
     return got
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out
+
+
+def _config_changes(run_dir: Path, cfg: Any) -> list[str]:
+    """Dotted keys whose value differs between the run dir's config.yaml and `cfg`."""
+    from rl.config import RESOLVED_NAME, parse_yaml
+
+    path = run_dir / RESOLVED_NAME
+    if not path.exists():
+        return []
+    old, new = _flat(parse_yaml(path.read_text())), _flat(cfg.model_dump(mode="json"))
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
 
 
 def _fmt(v: Any) -> str:
