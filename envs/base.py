@@ -28,6 +28,10 @@ stored as the `step_infos` of `envs.trajectory.Trajectory`):
     no_tool_call bool       the turn held no tool call at all
     success      float      only when terminated by the env (not on infra errors or truncation)
 
+Dataset rows. `reset(options={"row": row})` (a DatasetRow or a mapping of columns; envs/dataset.py) builds
+the task with `task_from_row(row)` instead of `generate_task(seed, options)`; envs that take rows
+implement it (a task whose prompt is a list of chat messages starts the conversation with them).
+
 Sandbox leases. An env with `uses_sandbox = True` holds one sandbox per episode: leased at reset,
 returned when the episode ends (terminated/truncated), at the next reset, or at close. The sync API
 (`reset/step/close`) uses `pool.lease_sync()`; the async API (`areset/astep/aclose`) uses

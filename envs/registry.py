@@ -16,6 +16,11 @@ is found through `importlib.metadata` when this module is imported (on first use
 `gymnasium.make("odyssey/WordCount-v0")` works once `envs.registry` is imported (`import envs` alone is
 lazy and imports nothing); `gymnasium.make("envs.registry:odyssey/WordCount-v0")` imports it itself.
 
+Namespaced ids `namespace/name` resolve through NAMESPACES to an adapter's factory with `name` bound:
+`reasoning-gym/<dataset>` (envs/adapters/reasoning_gym.py) and `skyrl/<env>` (envs/adapters/skyrl.py),
+from the optional extra `envs`. They are checked against the names the package knows (close matches
+suggested), listed once per namespace by `odyssey envs list`, and not registered with gymnasium.
+
 Failures never hide other envs: a plugin whose import fails is warned about by name, listed as
 "broken" (with the error) by `list_envs()` / `odyssey envs list`, and `make()` of it raises an error
 naming the plugin, its distribution and the import error. Two sources claiming one id is an error:
