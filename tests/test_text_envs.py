@@ -165,6 +165,19 @@ def test_reasoning_gym_env_scores_with_the_datasets_own_score_answer():
     assert rows.task.task_id == "reasoning-gym/chain_sum/row-3" and rows.step("<answer>3</answer>")[1] == 1.0
 
 
+def test_reasoning_gym_oracle_makes_warmup_transcripts():
+    """`odyssey warmup` imitates env.oracle_actions(): the entry's answer in tags solves every task."""
+    from model.tokenizer import load_tokenizer
+    from rl.rollout.agent_loop import ChatCodec
+    from rl.warmup import make_warmup_env, oracle_transcript
+
+    codec = ChatCodec(load_tokenizer())
+    kwargs = {"config": {"min_terms": 2, "max_terms": 3}, "max_turns": 1}
+    for seed in range(3):
+        t = oracle_transcript(make_warmup_env("reasoning-gym/chain_sum", kwargs), codec, seed)
+        assert t.success == 1.0 and t.n_turns == 1 and t.loss_mask.sum() > 3
+
+
 def test_reasoning_gym_bad_names_and_config():
     with pytest.raises(
         EnvNotFoundError, match="no reasoning-gym env 'chain_sm'. Did you mean 'reasoning-gym/chain_sum'"

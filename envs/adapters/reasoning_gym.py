@@ -16,7 +16,8 @@ metadata (what `score_answer` reads for some datasets).
 Scoring runs in a child process with a wall-clock limit (envs/child_process.py): some scorers evaluate
 the model's expression, and a crafted answer must not stall the worker. Past `score_timeout_s` the
 answer scores 0.0 (`info["score_timed_out"]`). Multi turn (`multi_turn: true`): a wrong answer gets
-`feedback` and another try, as in dataset-qa.
+`feedback` and another try, as in dataset-qa. `oracle_actions()` answers with the entry's own answer, so
+`odyssey warmup` can teach a fresh policy the answer format before RL.
 """
 
 from __future__ import annotations
@@ -142,6 +143,16 @@ class ReasoningGymEnv(TextEnv):
         question = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         entry = {"question": question, "answer": row.answer, "metadata": row.columns.get("metadata") or {}}
         return ReasoningGymTask(f"{self.env_id}/row-{row.index}", prompt, entry)
+
+    def oracle_actions(self) -> list[str]:
+        """The scripted perfect policy for the current task: the entry's own answer in answer tags (what the
+        SFT warm-up imitates; a dataset without a stored answer has no oracle)."""
+        answer = self.task.entry.get("answer")
+        if answer is None:
+            raise ValueError(
+                f"{self.env_id}: this entry has no stored answer, so there is no oracle to imitate"
+            )
+        return [f"<answer>{answer}</answer>"]
 
     async def respond(self, text: str) -> TextReply:
         from reasoning_gym.utils import extract_answer
