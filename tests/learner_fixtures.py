@@ -67,3 +67,11 @@ def ragged_batch(seed: int = 0, n_groups: int = 2, group_size: int = 4, routed: 
             out.append(scored_traj(rng, [("prompt", n_prompt), ("assistant", n - n_prompt)],
                                    float(i % 3), f"g{g}", routed=routed))
     return out
+
+
+def ascii_share(traj: Trajectory) -> float:
+    """A reward with signal for an untrained policy: the share of ASCII letters in the text it generated."""
+    from model.tokenizer import load_tokenizer
+
+    text = load_tokenizer().decode(traj.tokens[traj.loss_mask == 1].tolist(), skip_special_tokens=True)
+    return sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text))

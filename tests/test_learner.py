@@ -60,6 +60,12 @@ def test_bad_input_gets_an_error_naming_the_trajectory(batch):
     assert learner.optimizer_steps == 0
 
 
+def test_num_ranks_above_one_needs_a_learner_group():
+    with pytest.raises(ValueError, match=r"learner.num_ranks is 2 but this process runs 1 rank\(s\): use "
+                                         r"rl.learner.group.LearnerGroup"):
+        Learner(small_config(num_ranks=2))
+
+
 def test_rollout_records_the_tokenizer_fingerprint():
     """The agent loop writes metadata['tokenizer'] (what the check above compares)."""
     import asyncio
@@ -174,6 +180,22 @@ def test_save_and_load_resume_exactly(batch, tmp_path):
     assert b.policy_steps == 2 and b.optimizer_steps == 2
     with pytest.raises(FileNotFoundError, match="holds no learner checkpoint"):
         b.load(tmp_path)
+
+
+def test_off_policy_correction_is_applied_and_reported(batch):
+    """Rollout log-probs 0.3 nats (std) away from the learner's: TIS truncates, MIS masks, and both change
+    the update; with matching rollout log-probs neither does anything."""
+    plain = Learner(small_config(tis_cap=None)).step(batch)
+    assert plain["learner/offpolicy_truncated_frac"] == 0 and plain["learner/offpolicy_masked_frac"] == 0
+    assert plain["learner/offpolicy_kl"] > 0.01  # the fixture's rollout log-probs are noisy
+    tis = Learner(small_config(tis_cap=1.1)).step(batch)
+    mis = Learner(small_config(tis_cap=None, mis_band=[0.9, 1.1])).step(batch)
+    seq = Learner(small_config(tis_cap=None, mis_band=[0.5, 2.0], mis_level="sequence")).step(batch)
+    assert 0 < tis["learner/offpolicy_truncated_frac"] < 1 and tis["learner/offpolicy_masked_frac"] == 0
+    assert 0 < mis["learner/offpolicy_masked_frac"] < 1
+    assert 0 < seq["learner/offpolicy_masked_frac"] < 1  # whole episodes are masked together
+    assert len({plain["loss"], tis["loss"], mis["loss"], seq["loss"]}) == 4
+    assert plain["learner/offpolicy_ratio_max"] == tis["learner/offpolicy_ratio_max"] > 1.1
 
 
 def test_kl_to_reference_starts_at_zero_and_grows(batch):

@@ -32,10 +32,14 @@ def test_pack_first_fit_decreasing_hand_example():
 def test_pack_properties(lengths, budget):
     bins = pack(lengths, budget)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # every item exactly once
-    for b in bins:
-        total = sum(lengths[i] for i in b)
+    sums = [sum(lengths[i] for i in b) for b in bins]
+    for b, total in zip(bins, sums):
         assert total <= budget or len(b) == 1  # within budget, or a lone over-long item
-    # first fit: no later bin's first item would have fitted in an earlier bin when it was placed
+    # first fit: a bin was opened only when its first item fitted in no earlier bin, so no two bins could
+    # have been one (their sizes add up to more than the budget)
+    assert all(sums[i] + sums[j] > budget for i in range(len(bins)) for j in range(i + 1, len(bins)))
+    # decreasing: within a bin, items arrive longest first
+    assert all([lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True) for b in bins)
     assert pack(lengths, budget) == bins  # deterministic
 
 
@@ -64,7 +68,8 @@ def _grads(module):
 
 
 @pytest.mark.parametrize("routing_replay", [True, False], ids=["r3", "free-routing"])
-@pytest.mark.parametrize("loss_agg,policy", [("token_mean", "ppo_clip"), ("seq_mean_token_mean", "gspo")])
+@pytest.mark.parametrize("loss_agg,policy", [("token_mean", "ppo_clip"), ("seq_mean_token_mean", "gspo"),
+                                             ("seq_mean_token_sum", "cispo")])
 def test_packed_loss_and_gradients_equal_per_sequence(routing_replay, loss_agg, policy):
     cfg = small_config(routing_replay=routing_replay, micro_batch_tokens=96, loss_agg=loss_agg,
                        policy_loss=policy, tis_cap=None)

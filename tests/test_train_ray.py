@@ -44,6 +44,7 @@ TINY = [
     "rewards=[{name: 'tests.custom_rewards:even_tokens'}]",
     "learner.lr=1e-3",
     "orchestrator.checkpoint_every=1",
+    "orchestrator.eval_every=0",
 ]
 # sync, one episode at a time per worker, fifo batches in sample order, 1 thread per actor: bit for bit
 DETERMINISTIC = ["orchestrator.max_staleness=0", "rollout.concurrent_episodes=1"]
@@ -269,11 +270,13 @@ def test_kill9_async_resume_trains_every_sample_exactly_once(cluster, tmp_path):
     assert moved > 0 and apart <= ASYNC_WEIGHT_TOL * moved, (apart, moved)
 
 
-# Async resume tolerance: after the checkpoint both runs start from identical weights; they then differ only
-# in when weight updates reach episodes in flight (the resumed run replays those episodes from their start).
-# The distance between the two final policies is bounded by the distance either moved in the two steps after
-# that checkpoint (each step's update is clipped: learner.grad_clip), so <= 2x; a lost or repeated batch
-# would not change that bound, which is why the ledger check above is exact.
+# Async resume tolerance. Both runs hold identical weights at the checkpoint (step 1); afterwards they differ
+# only in when weight updates reach episodes in flight (the resumed run replays those from their start), which
+# can change sampled tokens and so the updates. By the triangle inequality the two final policies are at most
+# the sum of the two runs' movements since the checkpoint apart, i.e. about 2x the uninterrupted run's
+# movement when both move alike: that is the bound asserted. Measured on 2 cores: 3.6e-5 x (no sampled
+# token changed). The exact guarantees of the async resume are the ledger (same samples per step, each once)
+# and the optimizer step counts.
 ASYNC_WEIGHT_TOL = 2.0
 
 
@@ -327,11 +330,13 @@ def test_rollout_worker_killed_mid_step_is_replaced_and_nothing_is_lost(ray_sess
     assert ev["eval/episodes"] == 6 and ev["eval/success"] is not None and ev["eval/pass@2"] is not None
 
 
-@pytest.mark.timeout(900)
-def test_learner_death_stops_the_run_with_the_resume_command(ray_session, tmp_path):
+@pytest.fixture(scope="module")
+def stopped_run(ray_session, tmp_path_factory):
+    """A deterministic run whose learner rank is SIGKILLed once checkpoint 1 is written: (run dir, the
+    TrainingStopped raised)."""
     from rl.train.loop import TrainingStopped
 
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path_factory.mktemp("stopped") / "run"
     trainer, out = _in_process_trainer(ray_session, run_dir, "learner.steps=4", *DETERMINISTIC)
 
     def killer() -> None:
@@ -341,28 +346,34 @@ def test_learner_death_stops_the_run_with_the_resume_command(ray_session, tmp_pa
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
-    with pytest.raises(TrainingStopped) as e:
+    try:
         trainer.run()
-    t.join(timeout=10)
-    msg = str(e.value)
+    except TrainingStopped as e:
+        return run_dir, e
+    finally:
+        t.join(timeout=10)
+    raise AssertionError(f"the run did not stop: {out.getvalue()[-3000:]}")
+
+
+@pytest.mark.timeout(900)
+def test_learner_death_stops_the_run_with_the_resume_command(stopped_run):
+    run_dir, stopped = stopped_run
+    msg = str(stopped)
     assert (
         "learner" in msg
         and "died" in msg
         and f"odyssey train configs/tiny.yaml logging.run_dir={run_dir}" in msg
     )
-    assert "continue from the latest checkpoint" in msg
+    assert "continue from the latest checkpoint" in msg and "stopped at step 1" in msg
 
 
 @pytest.mark.timeout(600)
-def test_odyssey_eval_on_a_training_checkpoint(ray_session, tmp_path):
-    """`odyssey eval CONFIG --checkpoint DIR --episodes N` on a fresh 1-step run's checkpoint, at two
-    difficulties: greedy, sampled, pass@k by env and difficulty, written to JSON."""
+def test_odyssey_eval_on_a_training_checkpoint(stopped_run, tmp_path):
+    """`odyssey eval CONFIG --checkpoint DIR --episodes N` on a training checkpoint, at two difficulties:
+    greedy, sampled, pass@k by env and difficulty, written to JSON."""
     from rl.train.eval import cli_main
 
-    run_dir = tmp_path / "run"
-    trainer, _ = _in_process_trainer(ray_session, run_dir, "learner.steps=1", *DETERMINISTIC)
-    trainer.run()
-    ckpt = run_dir / "checkpoints" / "step-000001"
+    ckpt = stopped_run[0] / "checkpoints" / "step-000001"
     out = tmp_path / "eval.json"
     rc = cli_main(
         ["configs/tiny.yaml", "--checkpoint", str(ckpt), "--episodes", "4", "--out", str(out), *TINY,

@@ -187,7 +187,7 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
     for i, t in enumerate(trajs):  # excluded ones too: a wrong tokenizer is never silent
         check_tokenizer(t, i, facts)
     for i in sel.kept:
-        check_trajectory(trajs[i], i, facts, lcfg.routing_replay)
+        check_trajectory(trajs[i], i, facts, lcfg.routing_replay and facts.n_moe_layers > 0)
     group_of = {i: g for g, idx in sel.groups.items() for i in idx}
     samples = [to_sample(trajs[i], i, group_of.get(i)) for i in sel.kept]
     episode_adv: dict[int, float] = {}

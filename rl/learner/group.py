@@ -87,23 +87,16 @@ class LearnerRank:
 
 
 class LearnerGroup:
-    """`num_ranks` LearnerRank actors (default cfg.learner.num_ranks). num_cpus / num_gpus: per rank."""
+    """`cfg.learner.num_ranks` LearnerRank actors. num_cpus / num_gpus: Ray resources per rank;
+    torch_threads: intra-op threads per rank (None: torch's default)."""
 
     def __init__(
-        self,
-        cfg,
-        num_ranks: int | None = None,
-        *,
-        num_cpus: float = 1,
-        num_gpus: float = 0,
-        torch_threads: int | None = None,
+        self, cfg, *, num_cpus: float = 1, num_gpus: float = 0, torch_threads: int | None = None
     ) -> None:
         import ray
 
         self.cfg = cfg
-        self.world_size = int(num_ranks or cfg.learner.num_ranks)
-        if self.world_size < 1:
-            raise ValueError(f"num_ranks must be >= 1, got {self.world_size}")
+        self.world_size = cfg.learner.num_ranks
         actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(LearnerRank)
         self.ranks = [actor.remote(cfg, r, self.world_size, torch_threads) for r in range(self.world_size)]
         address, port = ray.get(self.ranks[0].rendezvous.remote())

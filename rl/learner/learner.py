@@ -87,6 +87,7 @@ class StepStats:
                 "masked",
                 "truncated",
                 "micro_batches",
+                "advantage_sum",
             ),
             0.0,
         )
@@ -127,7 +128,8 @@ def build_policy(cfg) -> torch.nn.Module:
 
 
 class Learner:
-    """Policy optimisation for one rank (module docstring). cfg: rl.config.RunConfig."""
+    """Policy optimisation for one rank (module docstring). cfg: rl.config.RunConfig; tokenizer: the one
+    whose fingerprint the trajectories must carry (default: the shipped tokenizer, model/assets/tokenizer)."""
 
     def __init__(self, cfg, tokenizer: Any = None) -> None:
         from model.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -137,12 +139,17 @@ class Learner:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+        if self.world_size != lc.num_ranks:
+            raise ValueError(
+                f"learner.num_ranks is {lc.num_ranks} but this process runs {self.world_size} rank(s): use "
+                "rl.learner.group.LearnerGroup(cfg) for data parallelism (it starts num_ranks actors), or "
+                f"set learner.num_ranks={self.world_size}"
+            )
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        torch.manual_seed(lc.seed)
         self.policy = build_policy(cfg).to(self.device)
         if lc.activation_checkpointing:
             self.policy.gradient_checkpointing_enable()
@@ -173,6 +180,7 @@ class Learner:
             tokenizer=tokenizer_fingerprint(tok),
         )
         self.autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
+        self.replay = lc.routing_replay and self.facts.n_moe_layers > 0  # R3 (a dense model has no routing)
         self.policy_steps = 0  # completed step() / update() calls
         self.optimizer_steps = 0
 
@@ -256,7 +264,7 @@ class Learner:
         n_moe = len(self.policy.moe_layer_indices)
         stats = self._stats = StepStats(n_moe)
         fused_old = lc.ppo_epochs * lc.num_minibatches == 1 and lc.advantage != "gae"
-        measure_routing = not lc.routing_replay and n_moe > 0
+        measure_routing = not self.replay and n_moe > 0
         if not fused_old or lc.kl_coef > 0:
             self._first_pass(
                 samples,
@@ -271,6 +279,7 @@ class Learner:
                     torch.from_numpy(s.rewards), torch.from_numpy(s.old_values), lc.gamma, lc.gae_lambda
                 )
                 s.advantages, s.returns = adv.numpy(), ret.numpy()
+                stats.sums["advantage_sum"] += float(adv.sum())
         losses, norms = [], []
         for epoch in range(lc.ppo_epochs):
             for m, ids in enumerate(plan.minibatches):
@@ -316,6 +325,7 @@ class Learner:
         )
         if lc.advantage == "gae":
             out["learner/value_loss"] = sums["value_loss"] / n_opt
+            out["learner/advantage_mean"] = sums["advantage_sum"] / scored
         if measure_routing and stats.agree_tokens > 0:
             frac = (stats.agree / stats.agree_tokens).tolist()
             for l, f in zip(self.policy.moe_layer_indices, frac):
@@ -334,7 +344,7 @@ class Learner:
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def _collate(self, samples: Sequence[Sample], fields: Sequence[str], routing: bool) -> MicroBatch:
-        with_replay = (self.lc.routing_replay or routing) and all(s.replay is not None for s in samples)
+        with_replay = (self.replay or routing) and all(s.replay is not None for s in samples)
         return collate(samples, fields, with_replay=with_replay)
 
     @torch.no_grad()
@@ -356,7 +366,7 @@ class Learner:
                     with self._autocast():
                         out = self.module(
                             mb,
-                            replay=self.lc.routing_replay,
+                            replay=self.replay,
                             values=values,
                             return_routed=routing and mb.replay is not None,
                         )
@@ -369,7 +379,7 @@ class Learner:
                         self._count_agreement(out.routed, mb.replay)
                 if ref:
                     with self._autocast():
-                        rout = self.reference(mb, replay=self.lc.routing_replay)
+                        rout = self.reference(mb, replay=self.replay)
                     for s, lp in zip(group, rout.logp.double().split(sizes)):
                         s.ref_logp = lp.cpu().numpy()
 
@@ -413,23 +423,54 @@ class Learner:
         """Forward and backward every packed micro-batch of `samples` (gradients add up in .grad; under DDP
         they are averaged over ranks at the last micro-batch). n_tokens / n_episodes: the minibatch's, over
         all ranks. Returns this rank's part of the minibatch loss."""
-        if not hasattr(self, "_stats"):
-            self._stats = StepStats(len(self.policy.moe_layer_indices))
         bins = pack([s.n_tokens for s in samples], self.lc.micro_batch_tokens)
-        total = 0.0
         if not bins and self.distributed:
             self._idle_backward()
+        total = 0.0
         for j, b in enumerate(bins):
-            last = j == len(bins) - 1
-            sync = contextlib.nullcontext() if (last or not self.distributed) else self.ddp.no_sync()
-            with sync:
-                loss = self._micro_batch_loss(
-                    [samples[i] for i in b], n_tokens, n_episodes, fused_old, first_epoch, routing
-                )
-                with statistics_recording(self.module, False):  # checkpoint recomputation must not record
-                    (loss * self.world_size).backward()
-            total += float(loss.detach())
+            mb = self._collate([samples[i] for i in b], self.token_fields(fused_old), routing)
+            total += self.backward_micro_batch(
+                mb,
+                n_tokens,
+                n_episodes,
+                sync=j == len(bins) - 1,
+                fused_old=fused_old,
+                first_epoch=first_epoch,
+                routing=routing,
+            )
         return total
+
+    def token_fields(self, fused_old: bool = True) -> list[str]:
+        """The per-scored-token sample fields the loss reads (MicroBatch.data)."""
+        fields = ["rollout_logp", "advantages"]
+        fields += [] if fused_old else ["old_logp"]
+        fields += ["ref_logp"] if self.reference is not None else []
+        fields += ["old_values", "returns"] if self.lc.advantage == "gae" else []
+        return fields
+
+    def backward_micro_batch(
+        self,
+        mb: MicroBatch,
+        n_tokens: int,
+        n_episodes: int,
+        *,
+        sync: bool = True,
+        fused_old: bool = True,
+        first_epoch: bool = True,
+        routing: bool = False,
+    ) -> float:
+        """Forward, loss and backward of one micro-batch (with `token_fields` in mb.data): the unit every
+        update is made of, and the seam where a trajectory split into sequence chunks will be processed.
+        sync: under DDP, whether this backward averages the gradients over ranks (the last micro-batch
+        of a minibatch). Returns this micro-batch's part of the minibatch loss."""
+        if not hasattr(self, "_stats"):
+            self._stats = StepStats(len(self.policy.moe_layer_indices))
+        no_sync = self.distributed and not sync
+        with self.ddp.no_sync() if no_sync else contextlib.nullcontext():
+            loss = self._micro_batch_loss(mb, n_tokens, n_episodes, fused_old, first_epoch, routing)
+            with statistics_recording(self.module, False):  # checkpoint recomputation must not record
+                (loss * self.world_size).backward()
+        return float(loss.detach())
 
     def _idle_backward(self) -> None:
         """A rank without samples in a minibatch still joins the gradient all-reduce: a one-token forward
@@ -455,7 +496,7 @@ class Learner:
 
     def _micro_batch_loss(
         self,
-        samples: list[Sample],
+        mb: MicroBatch,
         n_tokens: int,
         n_episodes: int,
         fused_old: bool,
@@ -467,17 +508,12 @@ class Learner:
         lc = self.lc
         stats = self._stats
         sums = stats.sums
-        fields = ["rollout_logp", "advantages"]
-        fields += [] if fused_old else ["old_logp"]
-        fields += ["ref_logp"] if self.reference is not None else []
-        fields += ["old_values", "returns"] if lc.advantage == "gae" else []
-        mb = self._collate(samples, fields, routing)
         data = {k: v.to(self.device) for k, v in mb.data.items()}
         seq, seq_tokens = mb.seq.to(self.device), mb.seq_tokens.to(self.device)
         with self._autocast():
             out = self.ddp(
                 mb,
-                replay=lc.routing_replay,
+                replay=self.replay,
                 values=lc.advantage == "gae",
                 return_routed=routing and mb.replay is not None,
             )
@@ -486,7 +522,7 @@ class Learner:
         logp = out.logp.double()
         old = logp.detach() if fused_old else data["old_logp"]
         is_w, off = correction_weights(
-            old, data["rollout_logp"], seq, len(samples), lc.tis_cap, lc.mis_band, lc.mis_level
+            old, data["rollout_logp"], seq, seq_tokens.numel(), lc.tis_cap, lc.mis_band, lc.mis_level
         )
         c = aggregation_weights(
             lc.loss_agg, seq, seq_tokens, n_episodes, n_tokens, self.cfg.rollout.max_tokens

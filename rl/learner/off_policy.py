@@ -48,7 +48,8 @@ def correction_weights(
         if mis_level == "token":
             r = rho
         elif mis_level == "sequence":
-            r = torch.zeros(n_seqs, dtype=torch.float64).index_add_(0, seq, log_rho).exp()[seq]
+            per_seq = torch.zeros(n_seqs, dtype=torch.float64, device=log_rho.device)
+            r = per_seq.index_add_(0, seq, log_rho).exp()[seq]
         else:
             raise ValueError(f"mis_level must be 'token' or 'sequence', got {mis_level!r}")
         masked = (r < lo) | (r > hi)

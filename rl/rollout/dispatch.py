@@ -39,6 +39,10 @@ from rl.rollout.tasks import Sample
 from rl.trajectory import Trajectory
 
 
+class NoWorkersLeft(RuntimeError):
+    """Every rollout worker died and max_restarts replacements were used up."""
+
+
 @dataclass
 class Finished:
     """A sample's episode came back. final=False: an infrastructure failure that was re-queued."""
@@ -131,7 +135,7 @@ class Dispatcher:
             self.failures.append(msg)
             self.log(msg)
             if not self.workers:
-                raise RuntimeError(f"every rollout worker failed; last: {msg}")
+                raise NoWorkersLeft(f"every rollout worker failed; last: {msg}")
             return
         self.restarts += 1
         self.failures.append(msg + "; replaced by a new actor")

@@ -48,7 +48,7 @@ from typing import Any
 
 from rich.console import Console
 
-from rl.rollout.dispatch import Dispatcher, Finished
+from rl.rollout.dispatch import Dispatcher, Finished, NoWorkersLeft
 from rl.rollout.tasks import Sample, task_stream
 from rl.rollout.worker import RolloutWorker, WorkerSettings
 from rl.train.buffer import ExperienceBuffer
@@ -206,14 +206,17 @@ class Trainer:
         from rl.rollout.cli import init_ray
 
         t0 = time.perf_counter()
-        demand = cluster_demand(self.cfg)
-        self._started_ray = init_ray(int(demand.get("CPU", 1) + 0.999))
-        check_fits(self.cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt = self._resume()
         if ckpt is None:
             self._log(f"starting a new run in {self.run_dir}")
         write_resolved(self.cfg, self.run_dir)
+        if self.state.step >= self.cfg.learner.steps:
+            self._log(f"the run is complete: step {self.state.step}, learner.steps={self.cfg.learner.steps}")
+            return
+        demand = cluster_demand(self.cfg)
+        self._started_ray = init_ray(int(demand.get("CPU", 1) + 0.999))
+        check_fits(self.cfg)
         self.settings = self._worker_settings()
         o, r = self.cfg.orchestrator, self.cfg.rollout
         self.dispatcher = Dispatcher(  # worker actors start while the learner builds
@@ -404,11 +407,15 @@ class Trainer:
                 f"the learner actor died ({e}); the run stopped at step {self.state.step}. "
                 + resume_hint(self.cfg, self.config_path)
             ) from e
+        except NoWorkersLeft as e:
+            raise TrainingStopped(
+                f"{e}; the run stopped at step {self.state.step} (orchestrator.max_worker_restarts="
+                f"{self.cfg.orchestrator.max_worker_restarts}). " + resume_hint(self.cfg, self.config_path)
+            ) from e
         finally:
             self.close()
 
     def _loop(self) -> dict[str, Any]:
-        assert self.dispatcher is not None
         o, total = self.cfg.orchestrator, self.cfg.learner.steps
         t_start = time.perf_counter() - sum(r.get("wall_s", 0.0) for r in self.metrics.read()[-1:])
         last_ckpt = self.state.step

@@ -1,0 +1,147 @@
+"""Training-loop benchmarks -> bench/results/train.json (ratios against a baseline measured in the same run).
+
+1. sync vs async: the same `tiny` config (warm-up checkpoint when --init-from is given, else the fresh
+   preset), `odyssey train`'s Trainer with orchestrator.max_staleness 0 (strictly on-policy: no rollout
+   while the learner trains) and 1 (rollouts continue). Steps/s over the steps after the first (start-up
+   and the first batch excluded) and the mean seconds per phase from metrics.jsonl; the speed-up is
+   async steps/s / sync steps/s.
+2. weight sync: seconds of one WeightSync.push (one object in Ray's object store, fetched and loaded by
+   every rollout worker) for the `tiny` and `small` presets, 2 workers, median of 3.
+
+Not measured here (stated in the JSON): RL tokens/s against TRL's GRPOTrainer on a dense HF Llama.
+
+    .venv/bin/python bench/train.py [--steps 6] [--init-from runs/tiny/warmup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "bench" / "results" / "train.json"
+
+
+def run_loop(staleness: int, steps: int, init_from: str | None, run_dir: Path) -> dict:
+    from rich.console import Console
+
+    from rl.config import load_config
+    from rl.train.loop import Trainer
+
+    overrides = [
+        f"logging.run_dir={run_dir}",
+        f"learner.steps={steps}",
+        f"orchestrator.max_staleness={staleness}",
+        "orchestrator.checkpoint_every=0",
+        "orchestrator.eval_every=0",
+        "env.kwargs.use_sandbox=false",  # the loop's overlap, not Docker, is measured
+        "rollout.sandbox_pool_size=0",
+    ]
+    if init_from:
+        overrides.append(f"model.init_from={init_from}")
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), overrides)
+    t0 = time.perf_counter()
+    Trainer(cfg, console=Console(file=io.StringIO())).run()
+    wall = time.perf_counter() - t0
+    recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    later = recs[1:]
+    span = later[-1]["wall_s"] - recs[0]["wall_s"]
+    phases = ("rollout", "learner", "weight_sync", "step")
+    return {
+        "max_staleness": staleness,
+        "steps": steps,
+        "steps_per_s": len(later) / span if span > 0 else None,
+        "seconds_per_step": span / len(later) if later else None,
+        "mean_phase_s": {p: statistics.mean(r[f"time/{p}_s"] for r in later) for p in phases},
+        "tokens_per_step": statistics.mean(r["tokens"] for r in recs),
+        "wall_s_with_startup": wall,
+    }
+
+
+def weight_sync_seconds(preset: str, workers: int = 2, repeats: int = 3) -> dict:
+    import ray
+    import torch
+
+    from model.config import OdysseyConfig
+    from model.modeling import OdysseyForCausalLM
+    from rl.rollout.worker import RolloutWorker, WorkerSettings
+    from rl.train.weight_sync import WeightSync
+
+    settings = WorkerSettings(model_preset=preset, shared_pool=False, torch_threads=1)
+    actor = ray.remote(num_cpus=1)(RolloutWorker)
+    actors = {i: actor.remote(settings, i) for i in range(workers)}
+    ray.get([a.ping.remote() for a in actors.values()], timeout=600)
+    torch.manual_seed(1)
+    model = OdysseyForCausalLM(OdysseyConfig.from_preset(preset))
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    n_bytes = sum(v.numel() * v.element_size() for v in sd.values())
+    sync = WeightSync(timeout_s=600)
+    times = []
+    for version in range(1, repeats + 1):
+        sync.publish(ray.put(sd), version)  # in training, the learner rank's return value
+        failed = sync.push(actors)
+        assert not failed, failed
+        times.append(sync.last_push_s)
+    for a in actors.values():
+        ray.kill(a)
+    return {
+        "preset": preset,
+        "workers": workers,
+        "bytes": n_bytes,
+        "push_s": times,
+        "median_s": statistics.median(times),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--init-from", default=None, help="a warm-up checkpoint (e.g. runs/tiny/warmup)")
+    args = p.parse_args()
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})  # fmt: skip
+    note = "2 shared cores, other jobs running: absolute times are noisy, the ratio is measured in one run"
+    out: dict = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "note": note}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            sync = run_loop(0, args.steps, args.init_from, Path(tmp) / "sync")
+            asyn = run_loop(1, args.steps, args.init_from, Path(tmp) / "async")
+        out["sync_vs_async"] = {
+            "sync": sync,
+            "async": asyn,
+            "speedup_async_over_sync": (asyn["steps_per_s"] / sync["steps_per_s"])
+            if asyn["steps_per_s"] and sync["steps_per_s"]
+            else None,
+        }
+        out["weight_sync"] = [weight_sync_seconds("tiny"), weight_sync_seconds("small")]
+    finally:
+        ray.shutdown()
+    out["not_measured"] = "RL tokens/s against TRL GRPOTrainer on a dense HF Llama (issue 12 bench item 3)"
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(out, indent=1))
+    s = out["sync_vs_async"]
+    print(f"sync  {s['sync']['seconds_per_step']:.2f} s/step  phases {s['sync']['mean_phase_s']}")
+    print(f"async {s['async']['seconds_per_step']:.2f} s/step  phases {s['async']['mean_phase_s']}")
+    print(f"async / sync steps/s: {s['speedup_async_over_sync']:.2f}x")
+    for w in out["weight_sync"]:
+        mb = w["bytes"] / 1e6
+        print(f"weight sync {w['preset']}: {mb:.1f} MB to {w['workers']} workers, {w['median_s']:.2f} s")
+    print(f"-> {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
