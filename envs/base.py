@@ -32,6 +32,10 @@ stored as the `step_infos` of `envs.trajectory.Trajectory`):
     no_tool_call bool       the turn held no tool call at all
     success      float      only when terminated by the env (not on infra errors or truncation)
 
+Dataset rows. `reset(options={"row": row})` (a DatasetRow or a mapping of columns; envs/dataset.py) builds
+the task with `task_from_row(row)` instead of `generate_task(seed, options)`; envs that take rows
+implement it (a task whose prompt is a list of chat messages starts the conversation with them).
+
 Sandbox leases. An env with `uses_sandbox = True` holds one sandbox per episode: leased at reset,
 returned when the episode ends (terminated/truncated), at the next reset, or at close. The sync API
 (`reset/step/close`) uses `pool.lease_sync()`; the async API (`areset/astep/aclose`) uses
@@ -54,6 +58,7 @@ from typing import Any, ClassVar, Protocol
 
 import gymnasium
 
+from envs.dataset import DatasetRow, TaskDataset, as_row
 from envs.spaces import ChatMessages, ChatText
 from envs.tool_call import EXPECTED_FORMAT, ToolCallError, echo, parse_tool_calls, without_surrogates
 from envs.tools import ToolArgumentError, ToolDefinitionError, ToolError, ToolSpec
@@ -88,6 +93,7 @@ class ToolEnv(gymnasium.Env):
     uses_sandbox: bool = False  # a subclass (or an instance, before reset) may switch it on
     default_max_turns: ClassVar[int] = 10
     max_tool_calls_per_turn: ClassVar[int] = 32  # calls beyond this in one turn are not run (one error)
+    rows_only: ClassVar[bool] = False  # tasks come only from dataset rows (env.dataset is required)
     instructions: ClassVar[str] = "You solve the task by calling tools."
     #: filled by __init_subclass__: tool name -> spec, in declaration order (base classes first)
     _tool_specs: ClassVar[dict[str, ToolSpec]] = {}
@@ -142,6 +148,40 @@ class ToolEnv(gymnasium.Env):
         """The task for `seed`: deterministic, pure Python (no sandbox). Every subclass overrides it
         (checked in `__init__`); it runs in a worker thread, off the event loop."""
         raise TypeError(f"{type(self).__name__} must implement generate_task(self, seed, options) -> task")
+
+    def task_from_row(self, row: DatasetRow) -> TaskLike:
+        """The task for one dataset row (`env.dataset`, envs/dataset.py): `reset(options={"row": row})`
+        calls it instead of `generate_task`. Envs that take rows override it; it runs in a worker thread."""
+        raise TypeError(
+            f"env {self.env_id!r} ({type(self).__name__}) does not take dataset rows: it generates its tasks "
+            "from seeds. Remove env.dataset, use an env that takes rows (dataset-qa, reasoning-gym/<name>, "
+            "skyrl/<env>), or implement task_from_row(self, row) -> task in the env"
+        )
+
+    @classmethod
+    def dataset_problems(cls, data: TaskDataset | None) -> list[str]:
+        """What is wrong with running this env on `data` (the run's env.dataset, or None); checked at
+        config load. Envs with requirements on the rows (an answer column) extend it."""
+        if data is None:
+            need = f"{cls.__name__} takes its tasks from dataset rows; set env.dataset (a .jsonl or .parquet)"
+            return [need] if cls.rows_only else []
+        if cls.task_from_row is ToolEnv.task_from_row:
+            return [
+                f"{cls.__name__} generates its tasks from seeds and does not take dataset rows; remove "
+                "env.dataset, or use an env that takes rows (dataset-qa, reasoning-gym/<name>, skyrl/<env>)"
+            ]
+        return []
+
+    def first_messages(self) -> list[Message]:
+        """The conversation's start for `self.task`: [system, user(prompt)]. A task whose prompt is a list of
+        chat messages (a conversational dataset row) starts with those, after the system message unless
+        they bring their own."""
+        system = {"role": "system", "content": self.system_prompt()}
+        prompt = self.task.prompt
+        if isinstance(prompt, str):
+            return [system, {"role": "user", "content": prompt}]
+        messages = [dict(m) for m in prompt]
+        return messages if any(m.get("role") == "system" for m in messages) else [system, *messages]
 
     async def setup(self) -> None:
         """Prepare the leased sandbox for `self.task` (write files...). Default: nothing."""
@@ -266,14 +306,15 @@ class ToolEnv(gymnasium.Env):
         self._over = True  # until the new episode is fully set up
         task_seed = int(seed) if seed is not None else int(self.np_random.integers(2**31 - 1))
         # off the event loop: generating a large task (long-docs) takes a while
-        self.task = await asyncio.to_thread(self.generate_task, task_seed, options)
+        row = options.get("row")
+        if row is not None:
+            self.task = await asyncio.to_thread(self.task_from_row, as_row(row))
+        else:
+            self.task = await asyncio.to_thread(self.generate_task, task_seed, options)
         self._turn, self._over, self._finished = 0, False, None
         self._achieved, self._new_subgoals = [], []
         await self.setup()
-        messages = [
-            {"role": "system", "content": self.system_prompt()},
-            {"role": "user", "content": self.task.prompt},
-        ]
+        messages = self.first_messages()
         info = {
             "task_id": self.task.task_id,
             "seed": task_seed,

@@ -16,6 +16,11 @@ is found through `importlib.metadata` when this module is imported (on first use
 `gymnasium.make("odyssey/WordCount-v0")` works once `envs.registry` is imported (`import envs` alone is
 lazy and imports nothing); `gymnasium.make("envs.registry:odyssey/WordCount-v0")` imports it itself.
 
+Namespaced ids `namespace/name` resolve through NAMESPACES to an adapter's factory with `name` bound:
+`reasoning-gym/<dataset>` (envs/adapters/reasoning_gym.py) and `skyrl/<env>` (envs/adapters/skyrl.py),
+from the optional extra `envs`. They are checked against the names the package knows (close matches
+suggested), listed once per namespace by `odyssey envs list`, and not registered with gymnasium.
+
 Failures never hide other envs: a plugin whose import fails is warned about by name, listed as
 "broken" (with the error) by `list_envs()` / `odyssey envs list`, and `make()` of it raises an error
 naming the plugin, its distribution and the import error. Two sources claiming one id is an error:
@@ -46,9 +51,20 @@ BUILTINS: dict[str, str] = {
     "arith": "envs.arith:ArithEnv",
     "code-repair": "envs.code_repair:CodeRepairEnv",
     "long-docs": "envs.long_docs:LongDocsEnv",
+    "dataset-qa": "envs.dataset_qa:DatasetQAEnv",
 }
 
-_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+#: id prefix -> (factory taking the name after the slash first, function listing the accepted names)
+NAMESPACES: dict[str, tuple[str, str]] = {
+    "reasoning-gym": (
+        "envs.adapters.reasoning_gym:ReasoningGymEnv",
+        "envs.adapters.reasoning_gym:dataset_names",
+    ),
+    "skyrl": ("envs.adapters.skyrl:SkyRLEnv", "envs.adapters.skyrl:env_names"),
+}
+
+_NAME = r"[A-Za-z0-9][A-Za-z0-9_.\-]*"
+_ID_RE = re.compile(rf"{_NAME}(/{_NAME})?")  # "arith", or "namespace/name" ("reasoning-gym/chain_sum")
 
 
 class EnvRegistrationError(ValueError):
@@ -88,7 +104,7 @@ _REJECTED: list[EnvEntry] = []  # discovered plugins that lost an id collision (
 
 def gym_id_for(env_id: str) -> str:
     """`odyssey/<CamelName>-v0` for an Odyssey env id ("code-repair" -> "odyssey/CodeRepair-v0")."""
-    name = "".join(part[:1].upper() + part[1:] for part in re.split(r"[-_.]", env_id) if part)
+    name = "".join(part[:1].upper() + part[1:] for part in re.split(r"[-_./]", env_id) if part)
     return f"{GYM_NAMESPACE}/{name}-v0"
 
 
@@ -218,10 +234,56 @@ def list_envs(load: bool = True) -> list[EnvEntry]:
     return sorted([*_ENTRIES.values(), *_REJECTED], key=lambda e: (e.id, e.status != "ok"))
 
 
+def list_namespaces() -> list[EnvEntry]:
+    """One entry "namespace/<name>" per adapter namespace: status "ok" with the number of names it knows in
+    `error`'s place (None), or "broken" with the import error (its package is not installed)."""
+    out = []
+    for ns, (factory_ep, names_ep) in NAMESPACES.items():
+        entry = EnvEntry(f"{ns}/<name>", "-", f"adapter {ns}", factory_ep)  # not gymnasium-registered
+        try:
+            n = len(resolve_name(names_ep, what="name list")())
+            entry.status = f"ok ({n} names)"
+        except (ImportError, DottedNameError) as err:
+            entry.status, entry.error = "broken", str(err)
+        out.append(entry)
+    return out
+
+
+def _namespaced(env_id: str) -> EnvEntry | None:
+    """The entry of "namespace/name" for a namespace in NAMESPACES (None for any other id). Its factory is
+    the namespace's factory with `name` bound; EnvLoadError when the adapter's package is not installed,
+    EnvNotFoundError when it does not know `name`."""
+    ns, sep, name = env_id.partition("/")
+    if not sep or ns not in NAMESPACES:
+        return None
+    factory_ep, names_ep = NAMESPACES[ns]
+    entry = EnvEntry(env_id, "-", f"adapter {ns}", factory_ep)  # not gymnasium-registered
+    try:
+        names = resolve_name(names_ep, what="name list")()
+        cls = resolve_name(factory_ep, what="entry point")
+    except (ImportError, DottedNameError) as err:
+        raise EnvLoadError(f"env '{env_id}' is not available: {err}") from err
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f" Did you mean {', '.join(repr(f'{ns}/{c}') for c in close)}?" if close else ""
+        raise EnvNotFoundError(f"no {ns} env '{name}'.{hint} {ns} has {len(names)}: {', '.join(names[:40])}"
+                               + (", ..." if len(names) > 40 else ""))
+    entry.factory, entry.status = functools.partial(cls, name), "ok"
+    return entry
+
+
+def entry_for(env_id: str) -> EnvEntry:
+    """The registered entry of `env_id` (an Odyssey id, its gymnasium id, or "namespace/name"); its factory
+    is not imported for plain ids. EnvNotFoundError / EnvLoadError name the problem and the fix."""
+    return _resolve_id(env_id)
+
+
 def _resolve_id(env_id: str) -> EnvEntry:
     entry = _ENTRIES.get(env_id)
     if entry is None:
         entry = next((e for e in _ENTRIES.values() if e.gym_id == env_id), None)
+    if entry is None and isinstance(env_id, str):
+        entry = _namespaced(env_id)
     if entry is None:
         rejected = [e for e in _REJECTED if e.id == env_id]
         if rejected:
@@ -230,7 +292,8 @@ def _resolve_id(env_id: str) -> EnvEntry:
         close = difflib.get_close_matches(env_id, ids, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise EnvNotFoundError(
-            f"no env '{env_id}'.{hint} Registered: {', '.join(ids)}. Install a plugin package declaring an "
+            f"no env '{env_id}'.{hint} Registered: {', '.join(ids)}, and the namespaces "
+            f"{', '.join(f'{ns}/<name>' for ns in NAMESPACES)}. Install a plugin package declaring an "
             f"'{ENTRY_POINT_GROUP}' entry point, or call envs.register(id, 'module:Class')"
         )
     return entry
@@ -274,7 +337,7 @@ def cli_main(argv: list[str]) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the table shows every failure
-        entries = list_envs(load=True)
+        entries = list_envs(load=True) + list_namespaces()
     if args.json:
         print(json.dumps([e.to_dict() for e in entries], indent=2))
     else:
@@ -287,10 +350,12 @@ def cli_main(argv: list[str]) -> int:
             table.add_column(col, overflow="fold")
         for e in entries:
             status = (
-                "[green]ok[/green]" if e.status == "ok" else f"[red]{e.status}[/red] {escape(e.error or '')}"
+                f"[green]{escape(e.status)}[/green]"
+                if e.status.startswith("ok")
+                else f"[red]{e.status}[/red] {escape(e.error or '')}"
             )
             table.add_row(*(escape(x) for x in (e.id, e.gym_id, e.source, e.entry_point)), status)
-        Console(width=160).print(table)
+        Console(width=220).print(table)
     broken = [e for e in entries if e.status == "broken"]
     return 1 if args.strict and broken else 0
 

@@ -70,8 +70,9 @@ class OdysseyConfig(PretrainedConfig):
       shared_expert_intermediate_size, balancing, bias_update_speed, aux_loss_coef,
       quantile_exact_max_tokens, quantile_hist_bins, routed_scaling_factor, moe_load_window (steps over
       which `expert_load_metrics()` reports experts that received no token).
-    - vision (not wired into the text model yet): vision_hidden_size (0 = text only), vision_num_layers,
-      vision_num_heads, vision_patch_size, image_token_id.
+    - vision (not wired into the text model yet, so validation rejects any value but the default; see
+      UNWIRED_FIELDS): vision_hidden_size (0 = text only), vision_num_layers, vision_num_heads,
+      vision_patch_size, image_token_id.
     """
 
     model_type = "odyssey_moe"
@@ -164,6 +165,13 @@ class OdysseyConfig(PretrainedConfig):
         if not 0 <= self.first_k_dense <= self.num_hidden_layers:
             raise ValueError(f"first_k_dense must be in [0, num_hidden_layers={self.num_hidden_layers}], "
                              f"got {self.first_k_dense}")
+        unwired = [f"{n}={getattr(self, n)!r}" for n, d in UNWIRED_FIELDS.items() if getattr(self, n) != d]
+        if unwired:
+            defaults = ", ".join(f"{n}={d!r}" for n, d in UNWIRED_FIELDS.items())
+            raise ValueError(
+                f"{', '.join(unwired)}: the vision encoder is not wired into the text model yet, so its "
+                f"fields must keep their defaults ({defaults}); remove them"
+            )
         if self.balancing not in BALANCING:
             raise ValueError(f"balancing must be one of {BALANCING}, got {self.balancing!r}")
         if self.n_routed_experts < 0:
@@ -213,6 +221,15 @@ class OdysseyConfig(PretrainedConfig):
         fields.update(overrides)
         return cls(**fields)
 
+
+#: fields reserved for the vision encoder, which the text model does not read yet: only the default is valid
+UNWIRED_FIELDS: dict[str, Any] = {
+    "vision_hidden_size": 0,
+    "vision_num_layers": 0,
+    "vision_num_heads": 0,
+    "vision_patch_size": 14,
+    "image_token_id": None,
+}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(

@@ -4,6 +4,8 @@ from rewards.base import RewardFn, RewardResult, param_check
 from rewards.compose import (
     RewardMetrics,
     RewardSpec,
+    acompose,
+    acompose_batch,
     compose,
     compose_batch,
     is_trainable,
@@ -20,6 +22,8 @@ __all__ = [
     "RewardMetrics",
     "RewardResult",
     "RewardSpec",
+    "acompose",
+    "acompose_batch",
     "compose",
     "compose_batch",
     "is_trainable",

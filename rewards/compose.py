@@ -19,10 +19,19 @@ A reward function that raises (SystemExit included) or returns garbage (a non-fi
 value or component included) sets traj.reward_error and leaves no rewards,
 so the trajectory is excluded (`is_trainable`) and counted (`RewardMetrics`), never silently zero.
 A trajectory with an infrastructure error is not scored at all.
+
+Two forms of reward function (docs/rewards.md): Odyssey's `fn(traj, **params)`, called per trajectory,
+and TRL's batched `fn(prompts, completions, completion_ids, **dataset_columns) -> list[float]`
+(rewards/trl_form.py), called once per batch. Either may be `async def`: `acompose` / `acompose_batch`
+await every async function concurrently (one task per trajectory for the per-trajectory form), each
+call limited by the spec's `timeout_s` (default `DEFAULT_TIMEOUT_S`); a call past it is a reward
+error, never a 0. Sync functions run inline. `compose` / `compose_batch` are the same for callers
+without a running event loop (with async specs they run one with asyncio.run).
 """
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import inspect
 import logging
@@ -37,24 +46,31 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
 
 from envs.trajectory import Trajectory
+from rewards import trl_form
 from rewards.base import PARAM_CHECK_ATTR, normalize_result
 from rewards.registry import BUILTINS, resolve_reward
 
 log = logging.getLogger(__name__)
 
-SPEC_KEYS = ("name", "weight", "params", "key")
+SPEC_KEYS = ("name", "weight", "params", "key", "timeout_s")
 RESERVED_KEYS = ("total",)
+DEFAULT_TIMEOUT_S = 60.0  # an async reward's call limit when its spec sets no timeout_s
 
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """One validated entry of the reward list. `key` names its entry in traj.rewards."""
+    """One validated entry of the reward list. `key` names its entry in traj.rewards. form: "trajectory"
+    (fn(traj, **params)) or "trl" (batched, rewards/trl_form.py); is_async: `async def`; timeout_s: the
+    limit of one call of an async function (None for sync ones)."""
 
     name: str
     weight: float
     params: dict[str, Any]
     key: str
     fn: Callable = field(repr=False, compare=False)
+    form: str = "trajectory"
+    is_async: bool = False
+    timeout_s: float | None = None
 
 
 _STRICT = ConfigDict(strict=True, arbitrary_types_allowed=True)  # YAML "0.5" is not a float; 1 is
@@ -115,6 +131,9 @@ def _check_params(name: str, fn: Callable, params: dict[str, Any]) -> None:
     except (TypeError, ValueError):
         return  # no introspectable signature (some C callables): checked when called
     ps = list(sig.parameters.values())
+    if trl_form.is_trl_form(fn):
+        _check_trl_params(name, fn, sig, params)
+        return
     if not ps or ps[0].kind not in (ps[0].POSITIONAL_ONLY, ps[0].POSITIONAL_OR_KEYWORD, ps[0].VAR_POSITIONAL):
         raise ValueError(
             f"{name}{sig} must take the trajectory as its first positional argument: def fn(traj, **params)"
@@ -128,6 +147,24 @@ def _check_params(name: str, fn: Callable, params: dict[str, Any]) -> None:
     if checker is not None:
         values = {k: getattr(checked, k) for k in accepted} | dict(checked.model_extra or {})
         checker(**values)  # raises ValueError naming the bad value
+
+
+def _check_trl_params(name: str, fn: Callable, sig: inspect.Signature, params: dict[str, Any]) -> None:
+    """A TRL-form function's `params`: known names (unless it takes **kwargs), values matching their
+    annotations. A required parameter that `params` leaves out is not an error here: it may be a dataset
+    column (rl.config checks it against env.dataset's columns)."""
+    ps = trl_form.const_params(fn)
+    accepted = [p.name for p in ps if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    optional = [
+        p.replace(default=None)
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        else p
+        for p in ps
+    ]
+    try:
+        _params_model(fn, optional).model_validate(params)
+    except ValidationError as e:
+        raise ValueError(_param_problems(name, sig, accepted, e)) from e
 
 
 def parse_reward_spec(spec: Any, index: int = 0) -> RewardSpec:
@@ -172,7 +209,27 @@ def parse_reward_spec(spec: Any, index: int = 0) -> RewardSpec:
         raise ValueError(f"{where}: key must be a non-empty string without '/', got {key!r}")
     if key in RESERVED_KEYS:
         raise ValueError(f"{where}: key {key!r} is reserved; choose another key")
-    return RewardSpec(name=name, weight=float(weight), params=dict(params), key=key, fn=fn)
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+    timeout = spec.get("timeout_s")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
+            raise ValueError(f"{where}: timeout_s must be a positive number of seconds, got {timeout!r}")
+        if not is_async:
+            raise ValueError(
+                f"{where}: timeout_s applies to async reward functions only ({name} is a plain def, which "
+                "runs inline and cannot be cut off); make it `async def` (e.g. `return await "
+                "asyncio.to_thread(slow_check, ...)`) or remove timeout_s"
+            )
+    return RewardSpec(
+        name=name,
+        weight=float(weight),
+        params=dict(params),
+        key=key,
+        fn=fn,
+        form="trl" if trl_form.is_trl_form(fn) else "trajectory",
+        is_async=is_async,
+        timeout_s=(float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S) if is_async else None,
+    )
 
 
 def validate_reward_specs(specs: Any) -> list[RewardSpec]:
@@ -231,52 +288,169 @@ def infra_error_of(traj: Trajectory) -> str | None:
     return None
 
 
-def compose(traj: Trajectory, specs: Sequence[RewardSpec | dict]) -> Trajectory:
-    """Score `traj` in place with every spec and return it. Never raises for a failing reward function."""
-    specs = validate_reward_specs(specs)  # RewardSpecs pass through; dicts are parsed
-    if not specs:
-        raise ValueError("compose needs at least one reward spec; configure `rewards:` (docs/rewards.md)")
-    traj.rewards, traj.turn_rewards, traj.reward_error = {}, [], None
-    traj.metadata.pop("reward_failed", None)
-    infra = infra_error_of(traj)
-    if infra is not None:
-        traj.metadata["reward_status"] = "skipped_infra_error"
-        return traj
-    n = traj.n_assistant_turns
+_Outcome = Any  # a RewardResult, or the text of the reward error
+
+
+def _fail(spec: RewardSpec, what: str) -> str:
+    return f"reward {spec.key!r} ({spec.name}) {what}"
+
+
+def _normalized(spec: RewardSpec, out: Any, traj: Trajectory) -> _Outcome:
+    try:
+        return normalize_result(out, traj.n_assistant_turns)
+    except (TypeError, ValueError) as e:
+        return _fail(spec, str(e))
+
+
+def _raised(spec: RewardSpec, e: BaseException) -> str:
+    log.warning("reward %r (%s) raised", spec.key, spec.name, exc_info=e)
+    return _fail(spec, f"raised {type(e).__name__}: {e}")
+
+
+def _trl_outcomes(spec: RewardSpec, out: Any, trajs: Sequence[Trajectory]) -> list[_Outcome]:
+    try:
+        values = trl_form.batch_values(out, len(trajs))
+    except (TypeError, ValueError) as e:
+        return [_fail(spec, str(e))] * len(trajs)
+    return [
+        _normalized(spec, v, t) if isinstance(v, float) else _fail(spec, v) for v, t in zip(values, trajs)
+    ]
+
+
+def _trl_call(spec: RewardSpec, trajs: Sequence[Trajectory]) -> Any:
+    return spec.fn(**trl_form.batch_inputs(trajs, spec.params))
+
+
+def _score_sync(spec: RewardSpec, trajs: Sequence[Trajectory]) -> list[_Outcome]:
+    """A plain-def reward on every trajectory (TRL form: one call for the batch)."""
+    if spec.form == "trl":
+        try:
+            out = _trl_call(spec, trajs)
+        except (Exception, SystemExit) as e:
+            return [_raised(spec, e)] * len(trajs)
+        return _trl_outcomes(spec, out, trajs)
+    outcomes = []
+    for t in trajs:
+        try:
+            outcomes.append(_normalized(spec, spec.fn(t, **spec.params), t))
+        except (Exception, SystemExit) as e:
+            outcomes.append(_raised(spec, e))
+    return outcomes
+
+
+async def _await_limited(spec: RewardSpec, make_call: Callable[[], Any]) -> tuple[Any, str | None]:
+    """(result, None), or (None, the error text) after an exception or `spec.timeout_s`."""
+    try:
+        return await asyncio.wait_for(make_call(), spec.timeout_s), None
+    except TimeoutError:
+        return None, _fail(spec, f"timed out after {spec.timeout_s:g} s (timeout_s); not scored")
+    except (Exception, SystemExit) as e:
+        return None, _raised(spec, e)
+
+
+async def _score_async(spec: RewardSpec, trajs: Sequence[Trajectory]) -> list[_Outcome]:
+    """An async reward: TRL form, one awaited call for the batch; per trajectory, one task each."""
+    if spec.form == "trl":
+        out, err = await _await_limited(spec, lambda: _trl_call(spec, trajs))
+        return [err] * len(trajs) if err is not None else _trl_outcomes(spec, out, trajs)
+
+    async def one(t: Trajectory) -> _Outcome:
+        out, err = await _await_limited(spec, lambda: spec.fn(t, **spec.params))
+        return err if err is not None else _normalized(spec, out, t)
+
+    return list(await asyncio.gather(*(one(t) for t in trajs)))
+
+
+def _prepare(trajs: Sequence[Trajectory]) -> list[Trajectory]:
+    """Reset the reward fields; return the trajectories to score (those without an infra error)."""
+    todo = []
+    for traj in trajs:
+        traj.rewards, traj.turn_rewards, traj.reward_error = {}, [], None
+        traj.metadata.pop("reward_failed", None)
+        if infra_error_of(traj) is not None:
+            traj.metadata["reward_status"] = "skipped_infra_error"
+        else:
+            todo.append(traj)
+    return todo
+
+
+def _finish(traj: Trajectory, specs: Sequence[RewardSpec], outcomes: Sequence[_Outcome]) -> None:
+    """Write one trajectory's rewards from its outcome per spec (or its reward error)."""
     rewards: dict[str, float] = {}
-    per_turn = np.zeros(n, dtype=np.float64)
+    per_turn = np.zeros(traj.n_assistant_turns, dtype=np.float64)
     total = 0.0
-    errors: list[str] = []
-    failed: list[str] = []
-    for spec in specs:
-        try:
-            out = spec.fn(traj, **spec.params)
-        except (Exception, SystemExit) as e:  # a reward that calls sys.exit must not end the worker
-            log.warning("reward %r (%s) raised", spec.key, spec.name, exc_info=True)
-            errors.append(f"reward {spec.key!r} ({spec.name}) raised {type(e).__name__}: {e}")
-            failed.append(spec.key)
-            continue
-        try:
-            res = normalize_result(out, n)
-        except (TypeError, ValueError) as e:
-            errors.append(f"reward {spec.key!r} ({spec.name}) {e}")
-            failed.append(spec.key)
-            continue
+    errors = [o for o in outcomes if isinstance(o, str)]
+    if errors:
+        traj.reward_error = "; ".join(errors)
+        traj.metadata["reward_status"] = "error"
+        traj.metadata["reward_failed"] = [s.key for s, o in zip(specs, outcomes) if isinstance(o, str)]
+        return
+    for spec, res in zip(specs, outcomes):
         rewards[spec.key] = res.value
         for c, v in res.components.items():
             rewards[f"{spec.key}/{c}"] = v
         total += spec.weight * res.value
         if res.per_turn is not None:
             per_turn += spec.weight * np.asarray(res.per_turn, dtype=np.float64)
-    if errors:
-        traj.reward_error = "; ".join(errors)
-        traj.metadata["reward_status"] = "error"
-        traj.metadata["reward_failed"] = failed
-        return traj
     rewards["total"] = total
     traj.rewards = rewards
     traj.turn_rewards = per_turn.tolist()
     traj.metadata["reward_status"] = "ok"
+
+
+def _checked(specs: Sequence[RewardSpec | dict]) -> list[RewardSpec]:
+    specs = validate_reward_specs(specs)  # RewardSpecs pass through; dicts are parsed
+    if not specs:
+        raise ValueError("compose needs at least one reward spec; configure `rewards:` (docs/rewards.md)")
+    return specs
+
+
+async def acompose_batch(trajs: Sequence[Trajectory], specs: Sequence[RewardSpec | dict]) -> list[Trajectory]:
+    """Score `trajs` in place with every spec; async functions run concurrently with their timeouts.
+    Never raises for a failing reward function. Returns the trajectories."""
+    specs = _checked(specs)
+    todo = _prepare(trajs)
+    if todo:
+        by_spec: list[list[_Outcome] | None] = [
+            None if s.is_async else _score_sync(s, todo) for s in specs
+        ]
+        waiting = [i for i, s in enumerate(specs) if s.is_async]
+        for i, res in zip(waiting, await asyncio.gather(*(_score_async(specs[i], todo) for i in waiting))):
+            by_spec[i] = res
+        for j, traj in enumerate(todo):
+            _finish(traj, specs, [res[j] for res in by_spec])
+    return list(trajs)
+
+
+async def acompose(traj: Trajectory, specs: Sequence[RewardSpec | dict]) -> Trajectory:
+    """`acompose_batch` of one trajectory (TRL-form functions get a batch of one)."""
+    await acompose_batch([traj], specs)
+    return traj
+
+
+def _compose_now(trajs: Sequence[Trajectory], specs: Sequence[RewardSpec | dict]) -> None:
+    specs = _checked(specs)
+    if not any(s.is_async for s in specs):  # no event loop needed
+        todo = _prepare(trajs)
+        if todo:
+            by_spec = [_score_sync(s, todo) for s in specs]
+            for j, traj in enumerate(todo):
+                _finish(traj, specs, [res[j] for res in by_spec])
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(acompose_batch(trajs, specs))
+        return
+    raise RuntimeError(
+        "async reward functions cannot be awaited by compose() inside a running event loop; "
+        "use `await rewards.acompose(traj, specs)` (or acompose_batch) there"
+    )
+
+
+def compose(traj: Trajectory, specs: Sequence[RewardSpec | dict]) -> Trajectory:
+    """Score `traj` in place with every spec and return it. Never raises for a failing reward function."""
+    _compose_now([traj], specs)
     return traj
 
 
@@ -367,9 +541,8 @@ class RewardMetrics:
 
 
 def compose_batch(trajs: Iterable[Trajectory], specs: Sequence[RewardSpec | dict]) -> RewardMetrics:
-    """compose() every trajectory (in place) and return the batch's RewardMetrics."""
-    specs = validate_reward_specs(specs)
-    m = RewardMetrics()
-    for t in trajs:
-        m.update(compose(t, specs))
-    return m
+    """Score every trajectory in place (TRL-form functions: one call for the batch) and return the batch's
+    RewardMetrics."""
+    trajs = list(trajs)
+    _compose_now(trajs, specs)
+    return RewardMetrics.from_trajectories(trajs)

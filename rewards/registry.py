@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from envs.dotted import is_dotted_name, resolve_name
 from rewards.budget import token_budget, turn_penalty
+from rewards.env_reward import env_reward
 from rewards.outcome import outcome
 from rewards.overlong import overlong
 from rewards.process import process
@@ -19,6 +20,7 @@ BUILTINS: dict[str, Callable] = {
     "overlong": overlong,
     "turn_penalty": turn_penalty,
     "token_budget": token_budget,
+    "env_reward": env_reward,
 }
 
 

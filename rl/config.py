@@ -112,11 +112,28 @@ class ModelSection(_Section):
     init_from: str | None = None  # a saved checkpoint directory; None = fresh init from learner.seed
 
 
+class DatasetSection(_Section):
+    """Tasks from a file (envs/dataset.py): a .jsonl or .parquet of rows, split into train and eval rows."""
+
+    path: str = Field(min_length=1)
+    eval_size: float = Field(0.1, ge=0.0)  # < 1: fraction of the rows held out for eval; >= 1: a count
+    seed: int = 0  # the train/eval split and the per-epoch shuffle of the train rows
+    prompt_field: str = Field("prompt", min_length=1)  # column with the prompt (string or chat messages)
+    answer_field: str = Field("answer", min_length=1)  # column with the ground truth (dataset-qa's verifier)
+
+
 class EnvSection(_Section):
-    """The environment: an id known to `envs` (built-in or plugin) and the kwargs for `envs.make`."""
+    """The environment: an id known to `envs` (built-in, plugin, or `reasoning-gym/<name>`, `skyrl/<env>`),
+    the kwargs for `envs.make`, and optionally a dataset whose rows are the tasks."""
 
     id: str = "arith"
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    dataset: DatasetSection | None = None  # `dataset: PATH` is short for `dataset: {path: PATH}`
+
+    @field_validator("dataset", mode="before")
+    @classmethod
+    def _dataset_path(cls, v: Any) -> Any:
+        return {"path": v} if isinstance(v, str) else v
 
 
 class RewardEntry(_Section):
@@ -126,6 +143,7 @@ class RewardEntry(_Section):
     weight: float = 1.0
     params: dict[str, Any] = Field(default_factory=dict)
     key: str | None = None
+    timeout_s: float | None = Field(None, gt=0.0)  # async rewards only: limit of one call (None = 60 s)
 
 
 class RolloutSection(_Section):
@@ -256,9 +274,10 @@ class WarmupSection(_Section):
 
 
 class LoggingSection(_Section):
+    """Outputs: the run directory and how often `odyssey train` prints its live line."""
+
     run_dir: str = "runs/default"
     log_every: int = Field(1, ge=1)  # learner steps between metric lines
-    level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 def _default_rewards() -> list[RewardEntry]:
@@ -285,7 +304,7 @@ class RunConfig(_Section):
             + _init_from_problems(self.model)
             + _model_problems(self.model)
             + _reward_problems(self.rewards)
-            + _env_problems(self.env)
+            + _env_problems(self.env, self.rewards)
         )
         if problems:
             raise ValueError("\n".join(problems))
@@ -303,6 +322,12 @@ class RunConfig(_Section):
 def _budget_problems(c: RunConfig) -> list[str]:
     r, lr = c.rollout, c.learner
     out = []
+    if r.sandbox_image is not None and r.sandbox_pool_size == 0:
+        out.append(
+            f"rollout.sandbox_image ({r.sandbox_image!r}) is the image of each worker's shared sandbox pool, "
+            "and rollout.sandbox_pool_size=0 starts none (envs then lease from the default pool on the "
+            "default image); set rollout.sandbox_pool_size >= 1 or remove rollout.sandbox_image"
+        )
     if r.max_new_tokens > r.max_tokens:
         out.append(
             f"rollout.max_new_tokens ({r.max_new_tokens}) exceeds rollout.max_tokens ({r.max_tokens}), the "
@@ -380,7 +405,7 @@ def _closest(word: str, options: Sequence[str]) -> str | None:
 
 def _model_problems(m: ModelSection) -> list[str]:
     try:
-        from model.config import PRESETS, OdysseyConfig
+        from model.config import PRESETS, UNWIRED_FIELDS, OdysseyConfig
     except ImportError:
         return []
     if m.preset not in PRESETS:
@@ -398,6 +423,12 @@ def _model_problems(m: ModelSection) -> list[str]:
             hint = _closest(k, fields)
             out.append(
                 f"{path}: unknown model field" + (f"; did you mean 'model.overrides.{hint}'?" if hint else "")
+            )
+            continue
+        if k in UNWIRED_FIELDS:
+            out.append(
+                f"{path}: the vision encoder is not wired into the text model yet (model/config.py reserves "
+                "this field), so setting it would do nothing; remove it"
             )
             continue
         from pydantic import TypeAdapter
@@ -463,9 +494,9 @@ def _reward_problems(rewards: list[RewardEntry]) -> list[str]:
     return []
 
 
-def _env_problems(env: EnvSection) -> list[str]:
+def _env_problems(env: EnvSection, rewards: Sequence[RewardEntry] = ()) -> list[str]:
     try:
-        from envs.registry import list_envs
+        from envs.registry import NAMESPACES, EnvLoadError, EnvNotFoundError, entry_for, list_envs
     except ImportError:
         return []
     import warnings
@@ -473,14 +504,21 @@ def _env_problems(env: EnvSection) -> list[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         entries = {e.id: e for e in list_envs(load=False)}
-    entry = entries.get(env.id) or next((e for e in entries.values() if e.gym_id == env.id), None)
-    if entry is None:
-        hint = _closest(env.id, [i for i, e in entries.items() if e.status != "broken"])
-        return [
-            f"env.id: unknown env {env.id!r}"
-            + (f"; did you mean {hint!r}?" if hint else "")
-            + f" (registered: {', '.join(sorted(entries))}; `odyssey envs list` shows them)"
-        ]
+        try:
+            entry = entry_for(env.id)
+        except EnvNotFoundError as e:
+            if "/" in env.id:  # a namespace's own message names its close matches
+                return [f"env.id: {e}"]
+            hint = _closest(env.id, [i for i, e in entries.items() if e.status != "broken"])
+            return [
+                f"env.id: unknown env {env.id!r}"
+                + (f"; did you mean {hint!r}?" if hint else "")
+                + f" (registered: {', '.join(sorted(entries))}, and "
+                + ", ".join(f"{ns}/<name>" for ns in NAMESPACES)
+                + "; `odyssey envs list` shows them)"
+            ]
+        except EnvLoadError as e:
+            return [f"env.id: {e}"]
     if entry.status == "broken":
         return [f"env.id: env {env.id!r} is broken: {entry.error}"]
     factory = entry.factory
@@ -491,16 +529,76 @@ def _env_problems(env: EnvSection) -> list[str]:
             factory = resolve_name(entry.entry_point, what="entry point")
         except DottedNameError as e:
             return [f"env.id: env {env.id!r} cannot be imported from {entry.entry_point}: {e.problem}"]
+    out = []
+    if "max_turns" in env.kwargs:
+        out.append(
+            "env.kwargs.max_turns: the turn limit has one source, rollout.max_turns (the env and the agent "
+            "loop both read it); remove env.kwargs.max_turns and set "
+            f"rollout.max_turns={env.kwargs['max_turns']}"
+        )
     accepted = _accepted_kwargs(factory)
-    if accepted is None:
+    if accepted is not None:
+        out += [
+            f"env.kwargs.{k}: unknown argument of env {env.id!r}"
+            + (f"; did you mean 'env.kwargs.{hint}'?" if (hint := _closest(k, accepted)) else "")
+            + f" (accepted: {', '.join(sorted(accepted))})"
+            for k in env.kwargs
+            if k not in accepted and k != "max_turns"
+        ]
+    return out + _dataset_problems(env, getattr(factory, "func", factory), rewards)
+
+
+def _dataset_problems(env: EnvSection, env_cls: Any, rewards: Sequence[RewardEntry]) -> list[str]:
+    """env.dataset against the file (readable, rows fit, split), the env (takes rows, needs them, its own
+    checks), and TRL-form rewards (their required arguments are dataset columns or params)."""
+    try:
+        from envs.dataset import DatasetError, TaskDataset
+    except ImportError:
         return []
-    return [
-        f"env.kwargs.{k}: unknown argument of env {env.id!r}"
-        + (f"; did you mean 'env.kwargs.{hint}'?" if (hint := _closest(k, accepted)) else "")
-        + f" (accepted: {', '.join(sorted(accepted))})"
-        for k in env.kwargs
-        if k not in accepted
-    ]
+    data = None
+    if env.dataset is not None:
+        d = env.dataset
+        try:
+            data = TaskDataset.load(d.path, d.eval_size, d.seed, d.prompt_field, d.answer_field)
+        except DatasetError as e:
+            return [f"env.dataset: {e}"]
+    check = getattr(env_cls, "dataset_problems", None)
+    out = [f"env.dataset: {p}" for p in check(data)] if check is not None else []
+    if data is None and env.dataset is not None and check is None:
+        out.append(f"env.dataset: env {env.id!r} is not an Odyssey ToolEnv and cannot take dataset rows")
+    return out + _trl_column_problems(rewards, data)
+
+
+def _trl_column_problems(rewards: Sequence[RewardEntry], data: Any) -> list[str]:
+    """A TRL-form reward's required arguments (no default, not in params) must be dataset columns."""
+    try:
+        from rewards.registry import resolve_reward
+        from rewards.trl_form import const_params, is_trl_form
+    except ImportError:
+        return []
+    columns = set(data.columns) if data is not None else set()
+    out = []
+    for i, r in enumerate(rewards):
+        try:
+            fn = resolve_reward(r.name)
+        except ValueError:
+            continue  # reported by _reward_problems
+        if not is_trl_form(fn):
+            continue
+        need = [
+            p.name
+            for p in const_params(fn)
+            if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        missing = [n for n in need if n not in r.params and n not in columns]
+        if missing:
+            where = f"the columns of env.dataset ({', '.join(sorted(columns))})" if data else "no dataset"
+            out.append(
+                f"rewards[{i}] ({r.name}): this TRL-form reward needs {missing} as dataset columns (TRL "
+                f"passes every column by name), but the tasks have {where}; add the columns, give them in "
+                "params, or give the arguments defaults"
+            )
+    return out
 
 
 def _accepted_kwargs(factory: Any) -> set[str] | None:

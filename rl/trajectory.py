@@ -2,7 +2,8 @@
 
 The record types (`Trajectory`, `TurnSpan`, `StepInfo`) live in envs/trajectory.py, a numpy-only leaf
 that envs/, rewards/ and rl/ all import; they are re-exported here, so `from rl.trajectory import
-Trajectory, TurnSpan, TrajectoryStore` keeps working.
+Trajectory, TurnSpan, TrajectoryStore` keeps working. Schema 3 adds the `token_versions` column (the
+policy version that sampled each generated token); stores of schema 1 read with `token_versions=None`.
 
 `TrajectoryStore(dir)` appends batches of trajectories as Arrow IPC *file* format files, one
 file per `append` call. Each file is written to a hidden temporary name in the same directory,

@@ -111,7 +111,7 @@ def test_unknown_key_names_path_and_closest_key(tmp_path):
         "rollout.num_worker: unknown key; did you mean 'rollout.num_workers'?",
     ]
     assert problems_of(write(tmp_path, "seed: 1\nzzzz: 2\n")) == [
-        "seed: unknown key; did you mean 'rollout.seed' or 'learner.seed'?",
+        "seed: unknown key; did you mean 'env.dataset.seed' or 'rollout.seed' or 'learner.seed'?",
         "zzzz: unknown key (valid keys here: model, env, rewards, rollout, learner, orchestrator, logging, "
         "warmup)",
     ]
@@ -193,14 +193,14 @@ def test_contradicting_budgets_and_unknown_names():
 
 def test_all_problems_listed_at_once(tmp_path):
     p = write(
-        tmp_path, "learner: {lrr: 1, steps: 0}\nrollout: {engine: jax, top_k: -1}\nlogging: {level: loud}\n"
+        tmp_path, "learner: {lrr: 1, steps: 0}\nrollout: {engine: jax, top_k: -1}\nlogging: {log_every: 0}\n"
     )
     with pytest.raises(ConfigError) as info:
         load_config(p)
     assert len(info.value.problems) == 5
     text = str(info.value)
     assert text.startswith(f"invalid config {p}:\n  - ")
-    for key in ("learner.lrr", "learner.steps", "rollout.engine", "rollout.top_k", "logging.level"):
+    for key in ("learner.lrr", "learner.steps", "rollout.engine", "rollout.top_k", "logging.log_every"):
         assert f"  - {key}: " in text
 
 

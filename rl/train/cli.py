@@ -43,6 +43,12 @@ def cli_main(argv: list[str]) -> int:
     except ConfigError as e:
         err.print(f"odyssey train: {e}", highlight=False, markup=False)
         return 2
+    from rl.rollout.cli import engine_problem
+
+    problem = engine_problem(cfg.rollout.engine)
+    if problem:
+        err.print(f"odyssey train: {problem}", highlight=False, markup=False)
+        return 2
     trainer = Trainer(cfg, config_path=args.config, console=console)
     try:
         summary = trainer.run()

@@ -34,7 +34,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from rl.rollout.tasks import Sample, TaskStream
+from rl.rollout.tasks import Sample, load_dataset, task_stream
 
 
 def eval_samples(cfg: Any, episodes: int, k: int, difficulties: list[int] | None = None) -> list[Sample]:
@@ -42,8 +42,9 @@ def eval_samples(cfg: Any, episodes: int, k: int, difficulties: list[int] | None
     if episodes < k or episodes % k:
         raise ValueError(f"eval episodes ({episodes}) must be a positive multiple of eval_pass_k ({k})")
     out: list[Sample] = []
+    dataset = load_dataset(cfg)  # env.dataset: the held-out rows of its eval split
     for d in difficulties if difficulties is not None else [None]:
-        stream = TaskStream(cfg.rollout.seed, "eval", {} if d is None else {"difficulty": int(d)})
+        stream = task_stream(cfg, "eval", {} if d is None else {"difficulty": int(d)}, dataset)
         for i in range(episodes // k):
             task = stream.task(i)
             out += stream.samples(task, k) + stream.samples(task, 1, greedy=True)

@@ -50,7 +50,7 @@ from rich.console import Console
 
 from rl.rollout.dispatch import Dispatcher, Finished, NoWorkersLeft
 from rl.rollout.health import BatchUnhealthy
-from rl.rollout.tasks import Sample, TaskStream
+from rl.rollout.tasks import Sample, task_stream
 from rl.rollout.worker import RolloutWorker, WorkerSettings
 from rl.train.buffer import ExperienceBuffer
 from rl.train.checkpoint import latest_checkpoint, write_checkpoint
@@ -126,7 +126,7 @@ class Trainer:
         self.run_dir = Path(cfg.logging.run_dir).expanduser().resolve()
         self.store = TrajectoryStore(self.run_dir / "trajectories")
         self.metrics = MetricsLog(self.run_dir)
-        self.stream = TaskStream(r.seed, "train")
+        self.stream = task_stream(cfg, "train")  # env.dataset: rows of its train split
         self.buffer = ExperienceBuffer(self.group_size, o.buffer_order)
         self.state = DriverState()
         self.sync = WeightSync(o.weight_sync_timeout_s)

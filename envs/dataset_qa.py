@@ -1,0 +1,104 @@
+"""`dataset-qa`: questions from a dataset's rows, the answer checked by a verifier. No tools, no sandbox.
+
+    env:
+      id: dataset-qa
+      dataset: {path: examples/data/arith_qa.jsonl, prompt_field: prompt, answer_field: answer}
+      kwargs: {verifier: math-verify, multi_turn: false}
+
+A task is one row (`env.dataset`, envs/dataset.py): the prompt column is the user message (or the
+conversation, for a list of chat messages), the answer column the ground truth. The model answers in
+plain text; `verifier` (envs/verifiers.py: `math-verify`, `exact-match` or `pkg.module:fn`) scores the
+turn's text against the ground truth, and that score is the episode's outcome (`traj.outcome`, what the
+`outcome` reward reads).
+
+- single turn (`multi_turn: false`, the default): the first turn is the answer; the episode ends there.
+- multi turn (`multi_turn: true`): a wrong answer gets `feedback` as a user message and another try,
+  until the verifier scores 1.0 or the last of `rollout.max_turns` tries is scored (its score is the
+  outcome).
+
+A verifier past `verifier_timeout_s` scores the answer 0.0 (`info["verifier_timed_out"]`); a verifier
+that raises is the env's own failure (an infra error: not scored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from envs.dataset import DatasetRow, TaskDataset
+from envs.text_env import TextEnv, TextReply
+from envs.verifiers import DEFAULT_TIMEOUT_S, make_verifier
+
+DEFAULT_INSTRUCTIONS = "Solve the problem. Put your final answer within \\boxed{}."
+DEFAULT_FEEDBACK = "That is not correct. Try again."
+
+
+@dataclass(frozen=True)
+class QATask:
+    """One row's question. prompt: a string or chat messages; answer: the ground truth; columns: the row."""
+
+    task_id: str
+    prompt: str | list[dict[str, str]]
+    answer: Any
+    columns: dict[str, Any] = field(hash=False, compare=False)
+
+
+class DatasetQAEnv(TextEnv):
+    """Rows of `env.dataset` as questions. Args: verifier ("math-verify" | "exact-match" | "pkg.module:fn"),
+    multi_turn (retry with feedback until correct or max_turns), instructions (the system message),
+    feedback (the user message after a wrong answer, multi turn), verifier_timeout_s, and the ToolEnv
+    arguments (max_turns, sandbox_pool, tools_in_prompt)."""
+
+    env_id = "dataset-qa"
+    default_max_turns = 1
+    rows_only = True
+
+    def __init__(
+        self,
+        verifier: str = "math-verify",
+        multi_turn: bool = False,
+        instructions: str = DEFAULT_INSTRUCTIONS,
+        feedback: str = DEFAULT_FEEDBACK,
+        verifier_timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        max_turns: int | None = None,
+        sandbox_pool: Any | None = None,
+        tools_in_prompt: bool = True,
+    ) -> None:
+        super().__init__(max_turns=max_turns, sandbox_pool=sandbox_pool, tools_in_prompt=tools_in_prompt)
+        if verifier_timeout_s <= 0:
+            raise ValueError(f"verifier_timeout_s must be > 0, got {verifier_timeout_s}")
+        self.verifier = make_verifier(verifier, verifier_timeout_s)
+        self.multi_turn = bool(multi_turn)
+        self.instructions = str(instructions)
+        self.feedback = str(feedback)
+
+    @classmethod
+    def dataset_problems(cls, data: TaskDataset | None) -> list[str]:
+        out = super().dataset_problems(data)
+        if data is not None:
+            missing = [i for i, r in enumerate(data.rows) if r.get(data.answer_field) is None]
+            if missing:
+                out.append(
+                    f"dataset-qa needs a ground truth in column {data.answer_field!r}, missing in "
+                    f"{len(missing)} rows (first: row {missing[0]}, columns "
+                    f"{', '.join(data.rows[missing[0]])}); set env.dataset.answer_field to the column that "
+                    "holds it"
+                )
+        return out
+
+    def generate_task(self, seed: int, options: dict[str, Any]) -> QATask:
+        raise ValueError(
+            "dataset-qa takes its tasks from dataset rows: set env.dataset to a .jsonl or .parquet file "
+            "(or call reset(options={'row': {...}}) with a row)"
+        )
+
+    def task_from_row(self, row: DatasetRow) -> QATask:
+        return QATask(f"row-{row.index}", row.prompt, row.require_answer("dataset-qa"), row.columns)
+
+    async def respond(self, text: str) -> TextReply:
+        result = await self.verifier.averify(text, self.task.answer, self.task.columns)
+        info = {"verifier_timed_out": True} if result.timed_out else {}
+        if result.score >= 1.0 or not self.multi_turn or self.turn >= self.max_turns:
+            return TextReply([], result.score, done=True, info=info)
+        return TextReply([{"role": "user", "content": self.feedback}], result.score, done=False, info=info)
