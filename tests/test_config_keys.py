@@ -194,7 +194,7 @@ def infra_verdict(cfg: RunConfig) -> Any:
 
     batch = []
     for i in range(5):
-        t = make_traj(seed=i)
+        t = make_traj([("prompt", 4), ("assistant", 4)], seed=i)
         t.metadata.update(env_id="arith", infra_source="env")
         t.infra_error = "env.step: ValueError" if i < 3 else None
         batch.append((None, t))
