@@ -34,18 +34,26 @@ Properties (tests/test_attn_res.py):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from model.norm import rms_normalize
+
+def inverse_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(v^2, -1) + eps) in fp32: v [..., D] -> [...] (RMSNorm(v) = v * inverse_rms(v) * g)."""
+    v = v.float()
+    return torch.rsqrt(v.pow(2).mean(-1) + eps)
 
 
 class AttnResRead(nn.Module):
     """One AttnRes read: its own RMSNorm scale g [D] and zero-initialised pseudo-query w [D].
 
-    logits_i = w^T (g * rms_normalize(v_i)),  h = sum_i softmax_i(logits) v_i   (fp32 softmax)
+    logits_i = w^T (g * rms_normalize(v_i)) = ((g * w)^T v_i) * inverse_rms(v_i),
+    h = sum_i softmax_i(logits) v_i                                               (all in fp32)
+
+    A source's inverse RMS does not depend on the read, so `AttnResStream` computes it once per source and
+    every read of the stream (`read`) reuses it.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -54,15 +62,26 @@ class AttnResRead(nn.Module):
         self.query = nn.Parameter(torch.zeros(dim))
         self.norm_weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        """sources: S tensors [..., D] (same shape) -> h [..., D] in the sources' dtype."""
+    def forward(self, sources: list[torch.Tensor], inv_rms: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """sources: S tensors [..., D] (same shape) -> h [..., D] in the sources' dtype.
+
+        inv_rms: the sources' `inverse_rms(v, eps)` [...] if already known (else computed here)."""
         if not sources:
             raise ValueError("AttnResRead needs at least one source (the embedding)")
-        w = (self.query.float() * self.norm_weight.float())  # fold the norm scale into the query
-        logits = torch.stack([rms_normalize(v, self.eps) @ w for v in sources], dim=-1)  # [..., S] fp32
+        if inv_rms is None:
+            inv_rms = [inverse_rms(v, self.eps) for v in sources]
+        w = self.query.float() * self.norm_weight.float()  # fold the norm scale into the query
+        vs = [v.float() for v in sources]
+        logits = torch.stack([v @ w for v in vs], dim=-1) * torch.stack(inv_rms, dim=-1)  # [..., S] fp32
         p = torch.softmax(logits, dim=-1)
-        h = sum(p[..., i:i + 1] * v.float() for i, v in enumerate(sources))
+        h = vs[0] * p[..., :1]
+        for i in range(1, len(vs)):
+            h = torch.addcmul(h, vs[i], p[..., i:i + 1])
         return h.to(sources[0].dtype)
+
+    def read(self, stream: AttnResStream) -> torch.Tensor:
+        """This read over the stream's sources (with their cached inverse RMS)."""
+        return self(stream.sources(), stream.inv_rms(self.eps))
 
 
 @dataclass
@@ -70,10 +89,22 @@ class AttnResStream:
     """The residual state carried through the layer stack: embedding + sealed blocks, and the open block.
 
     blocks: [v_0 = embedding, b_1, ..., b_m], each [T, D]; partial: sum of this block's outputs, or None.
+    The inverse RMS of each source is computed once, on first use, and kept with it (`inv_rms`).
     """
 
     blocks: list[torch.Tensor]
     partial: torch.Tensor | None = None
+    _inv: dict[float, tuple[list[torch.Tensor], torch.Tensor | None]] = field(default_factory=dict, repr=False)
+
+    def inv_rms(self, eps: float) -> list[torch.Tensor]:
+        """`inverse_rms(v, eps)` [T] of every source (order of `sources()`), each computed once."""
+        blocks_r, partial_r = self._inv.get(eps, ([], None))
+        blocks_r = blocks_r[: len(self.blocks)]
+        blocks_r += [inverse_rms(v, eps) for v in self.blocks[len(blocks_r):]]
+        if self.partial is not None and partial_r is None:
+            partial_r = inverse_rms(self.partial, eps)
+        self._inv[eps] = (blocks_r, partial_r)
+        return blocks_r if self.partial is None else [*blocks_r, partial_r]
 
     def sources(self) -> list[torch.Tensor]:
         """The tensors [T, D] an AttnRes read mixes: blocks, plus the partial sum when it is open."""
@@ -82,10 +113,15 @@ class AttnResStream:
     def add(self, out: torch.Tensor) -> None:
         """Add one sublayer output to the open block."""
         self.partial = out if self.partial is None else self.partial + out
+        self._inv = {eps: (blocks_r, None) for eps, (blocks_r, _) in self._inv.items()}
 
     def seal(self) -> None:
         """Close the open block: it becomes a source of its own."""
         if self.partial is not None:
+            for eps, (blocks_r, partial_r) in self._inv.items():
+                if partial_r is not None and len(blocks_r) == len(self.blocks):  # the new block keeps its r
+                    blocks_r = [*blocks_r, partial_r]
+                self._inv[eps] = (blocks_r, None)
             self.blocks.append(self.partial)
             self.partial = None
 
@@ -107,10 +143,10 @@ class BlockAttnRes(nn.Module):
         self.ffn_read = AttnResRead(hidden_size, eps)
 
     def read_attn(self, stream: AttnResStream) -> torch.Tensor:
-        return self.attn_read(stream.sources())
+        return self.attn_read.read(stream)
 
     def read_ffn(self, stream: AttnResStream) -> torch.Tensor:
-        return self.ffn_read(stream.sources())
+        return self.ffn_read.read(stream)
 
     def end_layer(self, stream: AttnResStream) -> None:
         if (self.layer_idx + 1) % self.block_size == 0:

@@ -13,7 +13,9 @@ with stacked weights w_gate_up [n, 2I, L] (gate rows first, vLLM's w13 layout) a
 
 Dispatch: flatten the T*k (token, expert) pairs, sort by expert, gather the latent rows once, run
 one [c_e, L] x [L, 2I] and one [c_e, I] x [I, L] matmul per non-empty expert on its contiguous
-segment, scale by p and index_add back into [T, L]. There is no loop over tokens.
+segment, scale by p and index_add back into [T, L]. There is no loop over tokens. A small batch without
+autograd (decoding: at most 4 pairs per expert on average) runs in one fused CPU call instead
+(model/fused_cpu.cpp `moe_experts`, same math, only the chosen experts' weights are read).
 `dense_reference_forward` is the slow oracle: every expert on every token, masked by p.
 
 Routing replay (R3): `replay_experts` [T, k] forces T (any integer dtype); p is still computed from
@@ -27,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from model import fused_cpu
 from model.activations import situ_glu
 from model.balancing import (
     BALANCING_METHODS,
@@ -37,6 +40,12 @@ from model.balancing import (
 from model.expert_load import ExpertLoadTracker
 from model.ffn import DenseFFN
 from model.norm import RMSNorm
+
+
+# Up to this many (token, expert) pairs per expert on average, the no-autograd fp32 CPU path runs the experts in
+# one fused call that reads each chosen expert's weights in place (gemv per pair); above it, one matmul pair per
+# expert segment reuses the weights better.
+_FUSED_PAIRS_PER_EXPERT = 4
 
 
 def latent_expert(w_gate_up: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -188,6 +197,11 @@ class LatentMoE(nn.Module):
         z [T, L], topk_idx [T, k] int64, weights [T, k] -> [T, L] (dtype of z).
         """
         T, k = topk_idx.shape
+        if 0 < T * k <= _FUSED_PAIRS_PER_EXPERT * self.n_experts:
+            kernels = fused_cpu.applies(z, weights, self.w_gate_up, self.w_down_experts)
+            if kernels is not None:  # a few tokens, no autograd: one fused call (model/fused_cpu.cpp)
+                return kernels.moe_experts(z.contiguous(), topk_idx.contiguous(), weights.contiguous(),
+                                           self.w_gate_up, self.w_down_experts)
         out = z.new_zeros(T, self.latent_dim)
         if T == 0:
             return out + 0.0 * z.sum()

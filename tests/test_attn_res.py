@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.attn_res import AttnResRead, attn_res_reference, full_attn_res_reference
+from model import attn_res as attn_res_mod
+from model.attn_res import AttnResRead, AttnResStream, attn_res_reference, full_attn_res_reference
 from model.config import OdysseyConfig
 from model.modeling import OdysseyForCausalLM
 
@@ -121,3 +122,47 @@ def test_fresh_model_has_zero_queries_and_unit_norms():
     assert len(reads) == 2 * model.config.num_hidden_layers + 1  # two per layer + the final read
     for r in reads:
         assert torch.count_nonzero(r.query) == 0 and torch.all(r.norm_weight == 1)
+
+
+def test_read_gradients_match_fp64_reference():
+    # sources, pseudo-query and norm scale get the gradients of the explicit fp64 formula (relative L2 1e-5);
+    # the read folds the norm scale into the query and multiplies by each source's inverse RMS afterwards
+    torch.manual_seed(3)
+    read = AttnResRead(32)
+    with torch.no_grad():
+        read.query.normal_(0, 1.0)
+        read.norm_weight.uniform_(0.5, 2.0)
+    sources = [(torch.randn(11, 32) * s).requires_grad_() for s in (1.0, 3.0, 0.3, 2.0)]
+    ct = torch.randn(11, 32)
+    (read(sources) * ct).sum().backward()
+    got = [read.query.grad, read.norm_weight.grad] + [s.grad for s in sources]
+    q64, g64 = (p.detach().double().requires_grad_() for p in (read.query, read.norm_weight))
+    s64 = [s.detach().double().requires_grad_() for s in sources]
+    (attn_res_reference(q64, g64, s64, read.eps) * ct.double()).sum().backward()
+    for g, r in zip(got, [q64.grad, g64.grad] + [s.grad for s in s64]):
+        assert float((g.double() - r).norm() / r.norm()) < 1e-5
+
+
+def test_stream_reads_reuse_each_sources_inverse_rms(monkeypatch):
+    # the stream computes each source's inverse RMS once (a sealed block keeps its own); reads through the
+    # stream equal reads that recompute everything (atol 1e-6)
+    torch.manual_seed(4)
+    reads = [AttnResRead(16) for _ in range(3)]
+    with torch.no_grad():
+        for r in reads:
+            r.query.normal_(0, 1.0)
+    stream = AttnResStream([torch.randn(6, 16)])
+    computed: list[torch.Tensor] = []
+    real = attn_res_mod.inverse_rms
+    for step in range(6):
+        for r in reads:
+            monkeypatch.setattr(attn_res_mod, "inverse_rms", lambda v, eps: computed.append(v) or real(v, eps))
+            h = r.read(stream)
+            monkeypatch.setattr(attn_res_mod, "inverse_rms", real)
+            torch.testing.assert_close(h, r(stream.sources()), atol=1e-6, rtol=1e-6)
+        stream.add(torch.randn(6, 16))
+        if step % 2:
+            stream.seal()
+    # sources ever read: the embedding, the partial after step 0, block 1, the partial after step 2,
+    # block 2, the partial after step 4: six, each normalised once for all three reads
+    assert len(computed) == 6 and len({id(v) for v in computed}) == 6

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from model import fused_cpu
 from model.config import OdysseyConfig
 from model.expert_load import ExpertLoadTracker
 from model.moe import LatentMoE, dense_reference_forward
@@ -67,6 +68,47 @@ def test_dispatch_matches_dense_loop_forward_and_backward(replay: bool):
     assert g_fast.keys() == g_ref.keys() and "router.weight" in g_fast and "w_gate_up" in g_fast
     for name in g_ref:
         torch.testing.assert_close(g_fast[name], g_ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+class _CountingKernels:
+    """Wraps the fused CPU kernels and counts moe_experts calls (to check which path ran)."""
+
+    def __init__(self, kernels):
+        self.kernels, self.calls = kernels, 0
+
+    def moe_experts(self, *args):
+        self.calls += 1
+        return self.kernels.moe_experts(*args)
+
+
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("replay", [False, True])
+def test_fused_small_batch_experts_match_dense_loop(T, replay, monkeypatch):
+    """Without autograd a few tokens (<= 4 pairs per expert) run the routed experts in ONE fused CPU call
+    (model/fused_cpu.cpp `moe_experts`): equal to the dense-loop oracle, atol 1e-6 (fp32), and to the torch
+    dispatch path; the fused call is really taken, and not with autograd or for larger batches."""
+    kernels = fused_cpu.load()
+    assert kernels is not None, "model/fused_cpu.cpp did not build"
+    counting = _CountingKernels(kernels)
+    monkeypatch.setattr(fused_cpu, "load", lambda: counting if fused_cpu.enabled() else None)
+    moe = make_moe(seed=T)
+    moe.bias.copy_(torch.randn(N) * 0.1)
+    x = torch.randn(T, D)
+    rep = random_replay(T, seed=T) if replay else None
+    with torch.no_grad():
+        y, idx = moe(x, rep)
+        assert counting.calls == 1
+        y_ref, idx_ref = dense_reference_forward(moe, x, rep)
+        monkeypatch.setenv("ODYSSEY_FUSED_CPU_KERNEL", "0")
+        y_torch, _ = moe(x, rep)
+        monkeypatch.delenv("ODYSSEY_FUSED_CPU_KERNEL")
+    assert torch.equal(idx, idx_ref)
+    torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(y, y_torch, atol=1e-6, rtol=1e-5)
+    moe(x.requires_grad_(), rep)[0].sum().backward()  # autograd: the torch dispatch
+    with torch.no_grad():
+        moe(torch.randn(5 * N, D))  # 10 pairs per expert: the torch dispatch
+    assert counting.calls == 1
 
 
 def test_batched_leading_dims_and_empty_input():

@@ -1,0 +1,69 @@
+"""Build and load the fused CPU kernels of the small-batch (decode) paths (model/fused_cpu.cpp).
+
+A decode step of a small model is bound by the number of torch ops it dispatches, not by arithmetic; these
+kernels do one step's work of a component in one call: `moe_experts` (LatentMoE's routed experts for a few
+tokens). They serve fp32 CPU tensors without autograd (rollout decoding, the benchmark); the torch code of
+each component is the reference and the autograd path, and tests check that the two agree.
+
+Built once per machine like model/kda_cpu.py (same compiler flags, torch's extension cache); if the build
+fails, `load()` warns once and the callers use their torch paths. ODYSSEY_FUSED_CPU_KERNEL=0 turns the
+kernels off.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("fused_cpu.cpp")
+_state: dict[str, ModuleType | None] = {}
+
+
+def enabled() -> bool:
+    """False when ODYSSEY_FUSED_CPU_KERNEL=0 (then every caller takes its torch path)."""
+    return os.environ.get("ODYSSEY_FUSED_CPU_KERNEL", "1") != "0"
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    """The compiled module (built on first use), or None if disabled or the build failed (warned once)."""
+    if not enabled():
+        return None
+    if "module" not in _state:
+        _state["module"] = _build(verbose)
+    return _state["module"]
+
+
+def applies(*tensors: torch.Tensor) -> ModuleType | None:
+    """The kernels if they serve these tensors (all fp32 on CPU, none needing a gradient), else None."""
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return load()
+
+
+def _build(verbose: bool) -> ModuleType | None:
+    from torch.utils.cpp_extension import load as load_extension
+
+    try:
+        return load_extension(
+            name="odyssey_fused_cpu",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=verbose,
+        )
+    except Exception as exc:  # a missing compiler or headers: fall back, loudly
+        tail = str(exc).strip().splitlines()[-15:]
+        warnings.warn(
+            "model/fused_cpu.cpp did not build, so decoding uses the (slower) torch paths. Install a C++ "
+            "compiler (g++) and ninja, then run `python -c 'from model import fused_cpu; "
+            "fused_cpu.load(verbose=True)'` to see the full build log. Error tail:\n" + "\n".join(tail),
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
