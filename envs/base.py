@@ -16,7 +16,8 @@ call. Malformed JSON, an unknown tool, bad arguments and a tool that raises all 
 `error: ...` tool message the model can read plus an entry in `info["tool_errors"]`; none raises.
 A turn without any tool call gets `on_no_tool_call(text)` (default: a user nudge restating the format).
 
-Step info (every step; the `step_infos` of `rl.trajectory.Trajectory`):
+Step info (every step; built as an `envs.trajectory.StepInfo`, returned as its dict per gymnasium, and
+stored as the `step_infos` of `envs.trajectory.Trajectory`):
     tool_calls   list[{"name", "arguments"}]  every call whose JSON parsed (valid or not)
     tool_results list[str]  one per tool_calls entry, same order: the tool's output, or its error text
     tool_errors  list[str]  every problem this turn (parse errors included), without the "error: " prefix
@@ -52,6 +53,7 @@ import gymnasium
 from envs.spaces import ChatMessages, ChatText
 from envs.tool_call import EXPECTED_FORMAT, ToolCallError, parse_tool_calls
 from envs.tools import ToolArgumentError, ToolDefinitionError, ToolError, ToolSpec
+from envs.trajectory import StepInfo
 from sandbox.errors import SandboxError
 
 Message = dict[str, str]
@@ -283,21 +285,18 @@ class ToolEnv(gymnasium.Env):
             raise TypeError(f"step() takes the model's text for one turn (str), got {type(text).__name__}")
         self._turn += 1
         self._new_subgoals = []
-        info: dict[str, Any] = {
-            "tool_calls": [], "tool_results": [], "tool_errors": [], "subgoals": [],
-            "env_reward": 0.0, "infra_error": None, "turn": self._turn, "no_tool_call": False,
-        }  # fmt: skip
+        info = StepInfo(turn=self._turn)
         obs: list[Message] = []
 
         def error(message: str, call_result: bool) -> None:
-            info["tool_errors"].append(message)
+            info.tool_errors.append(message)
             if call_result:
-                info["tool_results"].append(f"error: {message}")
+                info.tool_results.append(f"error: {message}")
             obs.append({"role": "tool", "content": f"error: {message}"})
 
         items = parse_tool_calls(text)
         if not items:
-            info["no_tool_call"] = True
+            info.no_tool_call = True
             obs.extend(self.on_no_tool_call(text))
         for item in items:
             if self._finished is not None:
@@ -305,7 +304,7 @@ class ToolEnv(gymnasium.Env):
             if isinstance(item, ToolCallError):
                 error(item.message, call_result=False)
                 continue
-            info["tool_calls"].append(item.to_dict())
+            info.tool_calls.append(item.to_dict())
             spec = self.tools.get(item.name)
             if spec is None:
                 close = difflib.get_close_matches(item.name, list(self.tools), n=1)
@@ -321,8 +320,8 @@ class ToolEnv(gymnasium.Env):
                 result = await self._invoke(spec, args)
             except Exception as err:
                 if isinstance(err, SandboxError):
-                    info["infra_error"] = f"{type(err).__name__}: {err}"
-                    info["tool_results"].append(f"error: infrastructure failure: {info['infra_error']}")
+                    info.infra_error = f"{type(err).__name__}: {err}"
+                    info.tool_results.append(f"error: infrastructure failure: {info.infra_error}")
                     break
                 if isinstance(err, ToolError):
                     error(str(err), True)
@@ -330,20 +329,20 @@ class ToolEnv(gymnasium.Env):
                     error(f"tool '{spec.name}' raised {type(err).__name__}: {err}", True)
                 continue
             content = "" if result is None else str(result)
-            info["tool_results"].append(content)
+            info.tool_results.append(content)
             obs.append({"role": "tool", "content": content})
 
-        info["subgoals"] = list(self._new_subgoals)
+        info.subgoals = list(self._new_subgoals)
         reward, terminated = 0.0, False
-        if info["infra_error"] is not None:
+        if info.infra_error is not None:
             terminated = True
         elif self._finished is not None:
             terminated, reward = True, self._finished
-            info["success"] = self._finished
-        info["env_reward"] = reward
+            info.success = self._finished
+        info.env_reward = reward
         truncated = not terminated and self._turn >= self.max_turns
         self._over = terminated or truncated
-        return obs, reward, terminated, truncated, info
+        return obs, reward, terminated, truncated, info.to_dict()
 
     async def _invoke(self, spec: ToolSpec, args: dict[str, Any]) -> Any:
         bound = spec.fn.__get__(self, type(self))

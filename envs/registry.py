@@ -10,9 +10,11 @@ Plugins: any installed distribution declaring
     [project.entry-points."odyssey.envs"]
     word-count = "odyssey_example_env.env:WordCountEnv"
 
-is found through `importlib.metadata` when `envs` is imported (or on `discover()`). Every env is also
-registered with gymnasium as `odyssey/<CamelName>-v0` (id "word-count" -> "odyssey/WordCount-v0"), so
-`gymnasium.make("odyssey/WordCount-v0")` works once `envs` is imported.
+is found through `importlib.metadata` when this module is imported (on first use of `envs.make`,
+`envs.list_envs`, ...; or on `discover()`). Every env is also registered with gymnasium as
+`odyssey/<CamelName>-v0` (id "word-count" -> "odyssey/WordCount-v0"), so
+`gymnasium.make("odyssey/WordCount-v0")` works once `envs.registry` is imported (`import envs` alone is
+lazy and imports nothing); `gymnasium.make("envs.registry:odyssey/WordCount-v0")` imports it itself.
 
 Failures never hide other envs: a plugin whose import fails is warned about by name, listed as
 "broken" (with the error) by `list_envs()` / `odyssey envs list`, and `make()` of it raises an error
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
-import importlib
 import importlib.metadata
 import json
 import re
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import gymnasium
+
+from envs.dotted import DottedNameError, is_well_formed, resolve_name
 
 ENTRY_POINT_GROUP = "odyssey.envs"
 GYM_NAMESPACE = "odyssey"
@@ -46,7 +49,6 @@ BUILTINS: dict[str, str] = {
 }
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
-_EP_RE = re.compile(r"[\w.]+:[\w.]+")
 
 
 class EnvRegistrationError(ValueError):
@@ -92,7 +94,7 @@ def gym_id_for(env_id: str) -> str:
 
 def _entry_point_str(entry_point: str | Callable[..., Any]) -> str:
     if isinstance(entry_point, str):
-        if not _EP_RE.fullmatch(entry_point):
+        if not is_well_formed(entry_point):
             raise EnvRegistrationError(
                 f"entry point {entry_point!r} must look like 'package.module:ClassName' "
                 "(or pass the class itself)"
@@ -188,24 +190,15 @@ def discover() -> list[EnvEntry]:
 def _load(entry: EnvEntry) -> Callable[..., Any]:
     if entry.factory is not None:
         return entry.factory
-    module_name, _, attr = entry.entry_point.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except Exception as err:
-        entry.status, entry.error = "broken", f"{type(err).__name__}: {err}"
+        obj = resolve_name(entry.entry_point, what="entry point")
+    except DottedNameError as err:
+        entry.status, entry.error = "broken", err.problem
         message = (
             f"env '{entry.id}' ({entry.source}) failed to import its entry point {entry.entry_point}: "
             f"{entry.error}"
         )
         raise EnvLoadError(message) from err
-    if not callable(obj):
-        entry.status, entry.error = (
-            "broken",
-            f"{entry.entry_point} is a {type(obj).__name__}, not a class or factory",
-        )
-        raise EnvLoadError(f"env '{entry.id}' ({entry.source}): {entry.error}")
     entry.factory, entry.status, entry.error = obj, "ok", None
     return obj
 

@@ -1,7 +1,7 @@
 """What a reward function is.
 
 A reward function is any callable `fn(traj, **params) -> RewardResult` (a plain float is
-accepted too and means `RewardResult(value)`). `traj` is an `rl.trajectory.Trajectory`;
+accepted too and means `RewardResult(value)`). `traj` is an `envs.trajectory.Trajectory`;
 `params` come from the YAML spec and are checked against `fn`'s signature when the config
 loads (see rewards/compose.py).
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from rl.trajectory import Trajectory
+    from envs.trajectory import Trajectory
 
 PARAM_CHECK_ATTR = "__reward_param_check__"
 

@@ -15,8 +15,8 @@ so each turn pays for the over-budget tokens it added.
 
 from __future__ import annotations
 
+from envs.trajectory import Trajectory
 from rewards.base import RewardResult, param_check
-from rl.trajectory import Trajectory
 
 
 def _check_turn(penalty: float, free_turns: int) -> None:

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from envs.trajectory import Trajectory
 from rewards.base import PARAM_CHECK_ATTR, normalize_result
 from rewards.registry import BUILTINS, resolve_reward
-from rl.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +213,8 @@ def infra_error_of(traj: Trajectory) -> str | None:
     if traj.infra_error:
         return traj.infra_error
     for info in traj.step_infos:
-        if info.get("infra_error"):
-            return str(info["infra_error"])
+        if info.infra_error:
+            return info.infra_error
     return None
 
 

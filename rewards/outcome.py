@@ -11,8 +11,8 @@ A scalar: placed on the last generated token.
 
 from __future__ import annotations
 
+from envs.trajectory import Trajectory
 from rewards.base import RewardResult, param_check
-from rl.trajectory import Trajectory
 
 
 def _check(

@@ -13,8 +13,8 @@ A scalar: placed on the last generated token.
 
 from __future__ import annotations
 
+from envs.trajectory import Trajectory
 from rewards.base import RewardResult, param_check
-from rl.trajectory import Trajectory
 
 
 def soft_overlong_punishment(length: int, max_completion_len: int, soft_punish_cache: int) -> float:

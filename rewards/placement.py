@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rl.trajectory import Trajectory
+from envs.trajectory import Trajectory
 
 
 def token_rewards(traj: Trajectory) -> np.ndarray:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import inspect
 
+from envs.dotted import resolve_name
+from envs.trajectory import Trajectory
 from rewards.base import RewardResult, param_check
-from rewards.dotted import import_callable
-from rl.trajectory import Trajectory
 
 
 def _check(
@@ -35,7 +35,7 @@ def _check(
     if reduce not in ("sum", "mean"):
         raise ValueError(f"process: reduce must be 'sum' or 'mean', got {reduce!r}")
     if scorer is not None:
-        fn = import_callable(scorer, what="process scorer")
+        fn = resolve_name(scorer, what="process scorer")
         try:
             inspect.signature(fn).bind(None, 0)
         except TypeError as e:
@@ -49,13 +49,13 @@ def turn_validity(traj: Trajectory, require_call: bool = True) -> list[bool | No
     out: list[bool | None] = []
     n_steps = len(traj.step_infos)
     for i in range(traj.n_assistant_turns):
-        if i >= n_steps or traj.step_infos[i].get("infra_error"):
+        if i >= n_steps or traj.step_infos[i].infra_error:
             out.append(None)
             continue
         info = traj.step_infos[i]
-        if info.get("tool_errors"):
+        if info.tool_errors:
             out.append(False)
-        elif info.get("tool_calls"):
+        elif info.tool_calls:
             out.append(True)
         else:
             final_answer = traj.terminated and i == n_steps - 1
@@ -82,7 +82,7 @@ def process(
         components["n_valid"] = float(sum(v is True for v in validity))
         components["n_invalid"] = float(sum(v is False for v in validity))
     else:
-        fn = import_callable(scorer, what="process scorer")
+        fn = resolve_name(scorer, what="process scorer")
         per_turn = [scale * float(fn(traj, i)) for i in range(n)]
     if reduce == "mean" and n:
         per_turn = [x / n for x in per_turn]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 
+from envs.dotted import is_dotted_name, resolve_name
 from rewards.budget import token_budget, turn_penalty
-from rewards.dotted import import_callable, is_dotted_path
 from rewards.outcome import outcome
 from rewards.overlong import overlong
 from rewards.process import process
@@ -32,8 +32,8 @@ def resolve_reward(name: str) -> Callable:
         raise ValueError(f"reward name must be a non-empty string, got {name!r}")
     if name in BUILTINS:
         return BUILTINS[name]
-    if is_dotted_path(name):
-        return import_callable(name, what="reward function")
+    if is_dotted_name(name):
+        return resolve_name(name, what="reward function")
     close = difflib.get_close_matches(name, BUILTINS, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ValueError(

@@ -1,6 +1,6 @@
 """`subgoal`: credit each milestone once, at the assistant turn where it was first achieved.
 
-Milestones are the names env steps report in `step_infos[i]["subgoals"]`; step i belongs to
+Milestones are the names env steps report in `step_infos[i].subgoals`; step i belongs to
 assistant turn i. With w(g) = weights.get(g, default_weight):
 
     per_turn[i] = sum over milestones g first seen at step i of w(g)
@@ -12,8 +12,8 @@ Repeats of an already-credited milestone earn nothing, so re-doing a step cannot
 
 from __future__ import annotations
 
+from envs.trajectory import Trajectory
 from rewards.base import RewardResult, param_check
-from rl.trajectory import Trajectory
 
 
 def _check(default_weight: float, weights: dict[str, float] | None, cap: float | None) -> None:
@@ -37,7 +37,7 @@ def subgoal(
     seen: set[str] = set()
     total = 0.0
     for i, info in enumerate(traj.step_infos):
-        for g in info.get("subgoals") or []:
+        for g in info.subgoals:
             if g in seen:
                 continue
             seen.add(g)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import importlib
 import inspect
 import re
 import sys
@@ -354,15 +353,12 @@ def _env_problems(env: EnvSection) -> list[str]:
         return [f"env.id: env {env.id!r} is broken: {entry.error}"]
     factory = entry.factory
     if factory is None:
-        module, _, attr = entry.entry_point.partition(":")
+        from envs.dotted import DottedNameError, resolve_name
+
         try:
-            factory = importlib.import_module(module)
-            for part in attr.split("."):
-                factory = getattr(factory, part)
-        except Exception as e:
-            return [
-                f"env.id: env {env.id!r} cannot be imported from {entry.entry_point}: {type(e).__name__}: {e}"
-            ]
+            factory = resolve_name(entry.entry_point, what="entry point")
+        except DottedNameError as e:
+            return [f"env.id: env {env.id!r} cannot be imported from {entry.entry_point}: {e.problem}"]
     accepted = _accepted_kwargs(factory)
     if accepted is None:
         return []

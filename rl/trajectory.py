@@ -1,16 +1,8 @@
-"""The token-faithful record of one episode, and an append-only on-disk store for it.
+"""The Arrow codec of `Trajectory` and an append-only on-disk store for it.
 
-A `Trajectory` holds the exact token ids the policy saw and produced (prompt, assistant
-turns, tool observations, concatenated in order), with per-token training data:
-
-    tokens            int32   [T]                  every token of the episode, in order
-    loss_mask         uint8   [T]                  1 on model-generated tokens, else 0
-    rollout_logprobs  float32 [T]                  behaviour-policy log-prob, NaN where not generated
-    routed_experts    uint16  [T, n_moe_layers, k] top-k expert ids per MoE layer (routing replay), optional
-
-plus turn spans, one env-info dict per env step, rewards and metadata. Assistant turn i is
-the i-th span with role "assistant"; `step_infos[i]` (when it exists) is the env step that
-consumed that turn's text.
+The record types (`Trajectory`, `TurnSpan`, `StepInfo`) live in envs/trajectory.py, a numpy-only leaf
+that envs/, rewards/ and rl/ all import; they are re-exported here, so `from rl.trajectory import
+Trajectory, TurnSpan, TrajectoryStore` keeps working.
 
 `TrajectoryStore(dir)` appends batches of trajectories as Arrow IPC *file* format files, one
 file per `append` call. Each file is written to a hidden temporary name in the same directory,
@@ -27,7 +19,6 @@ import os
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from time import time_ns
 from typing import Any
@@ -35,212 +26,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-ROLES = ("prompt", "assistant", "observation")
+from envs.trajectory import ROLES, StepInfo, Trajectory, TurnSpan
+
 SCHEMA_VERSION = "1"
 _VERSION_KEY = b"odyssey.trajectory.schema_version"
 
-
-@dataclass
-class TurnSpan:
-    """Tokens `[start, end)` of one message of the conversation; role in ROLES."""
-
-    role: str
-    start: int
-    end: int
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(eq=False)
-class Trajectory:
-    """One episode. Arrays are validated and coerced to the documented dtypes on construction.
-
-    Shapes: tokens / loss_mask / rollout_logprobs [T]; routed_experts [T, n_moe_layers, k] or None.
-    `turn_rewards` is empty until `rewards.compose` fills it (then len == number of assistant turns).
-    """
-
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    rollout_logprobs: np.ndarray
-    routed_experts: np.ndarray | None = None
-    turns: list[TurnSpan] = field(default_factory=list)
-    step_infos: list[dict] = field(default_factory=list)
-    outcome: float | None = None
-    terminated: bool = False
-    truncated: bool = False
-    infra_error: str | None = None
-    reward_error: str | None = None
-    rewards: dict[str, float] = field(default_factory=dict)
-    turn_rewards: list[float] = field(default_factory=list)
-    metadata: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.tokens = _as_int_array("tokens", self.tokens, np.int32)
-        if self.tokens.ndim != 1:
-            raise ValueError(f"Trajectory.tokens must be 1-D [T], got shape {self.tokens.shape}")
-        T = self.tokens.shape[0]
-        self.loss_mask = _as_mask(self.loss_mask, T)
-        self.rollout_logprobs = _as_float_array("rollout_logprobs", self.rollout_logprobs, T)
-        if self.routed_experts is not None:
-            re = _as_int_array("routed_experts", self.routed_experts, np.uint16)
-            if re.ndim != 3 or re.shape[0] != T:
-                raise ValueError(
-                    f"Trajectory.routed_experts must have shape [T={T}, n_moe_layers, k], got {re.shape}; "
-                    "pass None when the engine did not record routing"
-                )
-            self.routed_experts = re
-        self.turns = [_as_span(i, s) for i, s in enumerate(self.turns)]
-        _check_spans(self.turns, T)
-        _check_mask_in_assistant_spans(self.loss_mask, self.turns)
-        n_asst = self.n_assistant_turns
-        if not isinstance(self.step_infos, list) or not all(isinstance(d, dict) for d in self.step_infos):
-            raise TypeError("Trajectory.step_infos must be a list of dicts (one per env.step)")
-        if len(self.step_infos) > n_asst:
-            raise ValueError(
-                f"Trajectory has {len(self.step_infos)} step_infos but only {n_asst} assistant turns; "
-                "step_infos[i] belongs to assistant turn i, so there can be at most one per assistant turn"
-            )
-        if self.outcome is not None:
-            self.outcome = float(self.outcome)
-        if self.turn_rewards and len(self.turn_rewards) != n_asst:
-            raise ValueError(
-                f"Trajectory.turn_rewards has {len(self.turn_rewards)} entries, expected one per assistant "
-                f"turn ({n_asst}) or none"
-            )
-        self.turn_rewards = [float(x) for x in self.turn_rewards]
-        self.rewards = {str(k): float(v) for k, v in self.rewards.items()}
-        if not isinstance(self.metadata, dict):
-            raise TypeError(f"Trajectory.metadata must be a dict, got {type(self.metadata).__name__}")
-
-    # ---- views -------------------------------------------------------------------------------
-    @property
-    def n_tokens(self) -> int:
-        """T, the total number of tokens (prompt + generated + observations)."""
-        return int(self.tokens.shape[0])
-
-    @property
-    def n_generated(self) -> int:
-        """Number of model-generated tokens, sum(loss_mask)."""
-        return int(np.count_nonzero(self.loss_mask))
-
-    @property
-    def n_assistant_turns(self) -> int:
-        return sum(1 for s in self.turns if s.role == "assistant")
-
-    @property
-    def policy_version(self) -> int | None:
-        v = self.metadata.get("policy_version")
-        return None if v is None else int(v)
-
-    def assistant_spans(self) -> list[TurnSpan]:
-        """The assistant turns, in order; index i matches step_infos[i] and turn_rewards[i]."""
-        return [s for s in self.turns if s.role == "assistant"]
-
-    def last_generated_index(self, span: TurnSpan | None = None) -> int | None:
-        """Index of the last token with loss_mask == 1 (within `span` if given), or None if there is none."""
-        lo, hi = (0, self.n_tokens) if span is None else (span.start, span.end)
-        nz = np.flatnonzero(self.loss_mask[lo:hi])
-        return None if nz.size == 0 else lo + int(nz[-1])
-
-    # ---- Arrow -------------------------------------------------------------------------------
-    def to_arrow(self) -> pa.RecordBatch:
-        """One-row Arrow RecordBatch in the store schema (see `trajectories_to_batch`)."""
-        return trajectories_to_batch([self])
-
-    @classmethod
-    def from_arrow(cls, batch: pa.RecordBatch, row: int = 0) -> Trajectory:
-        """Decode row `row` of a store-schema RecordBatch. Arrays are zero-copy read-only views."""
-        return _decode_row(batch, row)
-
-
-# ---- validation helpers -------------------------------------------------------------------------
-
-
-def _as_int_array(name: str, x: Any, dtype: type) -> np.ndarray:
-    a = np.asarray(x)
-    if a.dtype == dtype:
-        return a
-    if a.size == 0:
-        return a.astype(dtype)
-    if a.dtype.kind not in "iu":
-        raise TypeError(
-            f"Trajectory.{name} must hold integers ({np.dtype(dtype).name}), got dtype {a.dtype}; "
-            f"pass np.asarray(x, dtype=np.{np.dtype(dtype).name})"
-        )
-    info = np.iinfo(dtype)
-    lo, hi = int(a.min()), int(a.max())
-    if lo < info.min or hi > info.max:
-        raise ValueError(
-            f"Trajectory.{name} values must fit {np.dtype(dtype).name} [{info.min}, {info.max}], "
-            f"got range [{lo}, {hi}]"
-        )
-    return a.astype(dtype)
-
-
-def _as_mask(x: Any, T: int) -> np.ndarray:
-    a = np.asarray(x)
-    if a.shape != (T,):
-        raise ValueError(f"Trajectory.loss_mask must have shape [T={T}], got {a.shape}")
-    if a.dtype == np.bool_:
-        return a.astype(np.uint8)
-    a = _as_int_array("loss_mask", a, np.uint8)
-    if a.size and a.max() > 1:
-        raise ValueError("Trajectory.loss_mask must contain only 0 and 1 (1 = model-generated token)")
-    return a
-
-
-def _as_float_array(name: str, x: Any, T: int) -> np.ndarray:
-    a = np.asarray(x)
-    if a.shape != (T,):
-        raise ValueError(f"Trajectory.{name} must have shape [T={T}], got {a.shape}")
-    if a.dtype == np.float32:
-        return a
-    if a.size and a.dtype.kind != "f":
-        raise TypeError(f"Trajectory.{name} must be floating point (float32), got dtype {a.dtype}")
-    return a.astype(np.float32)
-
-
-def _as_span(i: int, s: Any) -> TurnSpan:
-    if isinstance(s, dict):
-        s = TurnSpan(**s)
-    if not isinstance(s, TurnSpan):
-        raise TypeError(f"Trajectory.turns[{i}] must be a TurnSpan, got {type(s).__name__}")
-    if s.role not in ROLES:
-        raise ValueError(f"Trajectory.turns[{i}].role is {s.role!r}; expected one of {ROLES}")
-    return TurnSpan(s.role, int(s.start), int(s.end))
-
-
-def _check_spans(turns: list[TurnSpan], T: int) -> None:
-    prev_end = 0
-    for i, s in enumerate(turns):
-        if not (0 <= s.start < s.end <= T):
-            raise ValueError(
-                f"Trajectory.turns[{i}] = {s} is empty or outside [0, T={T}); spans are [start, end) "
-                "token ranges with start < end"
-            )
-        if s.start < prev_end:
-            raise ValueError(
-                f"Trajectory.turns[{i}] = {s} overlaps or precedes the previous span (ends {prev_end})"
-            )
-        prev_end = s.end
-
-
-def _check_mask_in_assistant_spans(mask: np.ndarray, turns: list[TurnSpan]) -> None:
-    inside = np.zeros(mask.shape, dtype=bool)
-    for s in turns:
-        if s.role == "assistant":
-            inside[s.start : s.end] = True
-    bad = np.flatnonzero(mask.astype(bool) & ~inside)
-    if bad.size:
-        raise ValueError(
-            f"Trajectory.loss_mask is 1 at token {int(bad[0])} (and {bad.size - 1} more) outside every "
-            "assistant span; only model-generated tokens (inside assistant turns) may be trained on"
-        )
-
-
 # ---- Arrow schema ---------------------------------------------------------------------------------
 
+_JSON = pa.large_string()
 _SPAN_TYPE = pa.struct([("role", pa.string()), ("start", pa.int64()), ("end", pa.int64())])
 
 SCHEMA = pa.schema(
@@ -329,7 +122,7 @@ def trajectories_to_batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
         _large_list(re, pa.uint16()),
         pa.array([None if a is None else list(a.shape[1:]) for a in re], type=pa.list_(pa.int32())),
         pa.array([[(s.role, s.start, s.end) for s in t.turns] for t in trajs], type=pa.list_(_SPAN_TYPE)),
-        pa.array([_dumps("step_infos", t.step_infos) for t in trajs], type=pa.large_string()),
+        pa.array([_dumps("step_infos", [i.to_dict() for i in t.step_infos]) for t in trajs], _JSON),
         pa.array([t.outcome for t in trajs], type=pa.float64()),
         pa.array([bool(t.terminated) for t in trajs], type=pa.bool_()),
         pa.array([bool(t.truncated) for t in trajs], type=pa.bool_()),
@@ -384,7 +177,8 @@ def _decode_rows(batch: pa.RecordBatch, rows: Sequence[int]) -> Iterator[Traject
         )
 
 
-def _decode_row(batch: pa.RecordBatch, row: int) -> Trajectory:
+def trajectory_from_batch(batch: pa.RecordBatch, row: int = 0) -> Trajectory:
+    """Decode row `row` of a store-schema RecordBatch. Arrays are zero-copy read-only views."""
     return next(_decode_rows(batch, [row]))
 
 
@@ -583,9 +377,11 @@ def _matching_rows(batch: pa.RecordBatch, version: int | None, min_version: int 
 __all__ = [
     "ROLES",
     "SCHEMA",
+    "StepInfo",
     "Trajectory",
     "TrajectoryStore",
     "TurnSpan",
     "trajectories_from_batch",
     "trajectories_to_batch",
+    "trajectory_from_batch",
 ]

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import Ulimit
+from docker.utils import parse_bytes
 
 from sandbox.client import DAEMON_FIX, docker_client
 from sandbox.errors import SandboxCrashed, SandboxError, SandboxUnavailable
@@ -56,13 +57,18 @@ KEEPER_USER = "65534:65534"  # nobody:nogroup runs the container's keep-alive (d
 AGENT_USER_SPEC = f"{AGENT_UID}:{AGENT_UID}"  # every exec runs as the agent
 
 
-def _parse_bytes(size: int | str) -> int:
-    """'512m' -> 536870912; ints pass through."""
-    if isinstance(size, int):
-        return size
-    s = size.strip().lower().rstrip("b")
-    mult = {"k": 2**10, "m": 2**20, "g": 2**30}.get(s[-1:], 1)
-    return int(float(s[:-1] if s[-1:] in "kmg" else s) * mult)
+def _parse_bytes(size: int | str, name: str = "size") -> int:
+    """'512m' -> 536870912 with `docker.utils.parse_bytes` (binary b/k/m/g units, an optional trailing b as
+    in "512mb"); ints pass through. A ValueError naming `name` and the accepted forms otherwise."""
+    try:
+        if isinstance(size, bool) or not isinstance(size, (int, str)):
+            raise TypeError(type(size).__name__)
+        return int(parse_bytes(size.strip() if isinstance(size, str) else size))
+    except (DockerException, TypeError, ValueError, IndexError) as err:
+        raise ValueError(
+            f"{name} must be a size: bytes as an int, or a number with a b/k/m/g suffix like '256m' or "
+            f"'1.5g'; got {size!r}"
+        ) from err
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,7 @@ class SandboxLimits:
 
     def __post_init__(self) -> None:
         for name in ("memory", "work_size", "tmp_size", "shm_size", "fsize"):
-            if _parse_bytes(getattr(self, name)) <= 0:
+            if _parse_bytes(getattr(self, name), f"SandboxLimits.{name}") <= 0:
                 raise ValueError(
                     f"SandboxLimits.{name} must be a positive size like '256m', got {getattr(self, name)!r}"
                 )

@@ -69,5 +69,5 @@ if ! command -v g++ >/dev/null 2>&1; then
   [ "$(id -u)" = 0 ] || die "g++ is missing (needed for model/kda_cpu.cpp): sudo apt-get install -y g++"
   say "installing g++ (apt)"; DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++ >/dev/null
 fi
-"$VENV/bin/python" -m model.kda_cpu || die "model/kda_cpu.cpp failed to build or check: run .venv/bin/python -m model.kda_cpu --verbose"
+"$VENV/bin/python" -m model.kda_cpu || die "model/kda_cpu.cpp failed to build: run .venv/bin/python -m model.kda_cpu --verbose"
 say "ready"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from envs.trajectory import Trajectory
 from rewards import RewardResult
-from rl.trajectory import Trajectory
 
 
 def brevity(traj: Trajectory, *, target: int = 10, scale: float = 0.01) -> RewardResult:

@@ -154,6 +154,8 @@ def test_seedless_reset_is_reproducible_from_first_seed():
 
 
 def test_gymnasium_make_and_env_checker():
+    import envs.registry  # noqa: F401  (registers the odyssey/<Name>-v0 gymnasium ids; `import envs` is lazy)
+
     env = gymnasium.make("odyssey/Arith-v0", use_sandbox=False)
     msgs, info = env.reset(seed=0)
     assert info["env_id"] == "arith" and msgs[1]["content"].startswith("Compute ")

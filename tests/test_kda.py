@@ -1,7 +1,9 @@
-"""Oracle tests for KDA (model/kda.py) and its causal short conv (model/short_conv.py).
+"""Oracle tests for KDA (model/kda.py, model/kda_chunk.py, model/kda_reference.py) and its causal short conv
+(model/short_conv.py).
 
-Oracles: `naive_recurrent_kda` (token-by-token recurrence), a literal matrix form of the recurrence,
-`naive_causal_short_conv` (per-sequence loop) and, for the layer, each sequence run alone / in one pass.
+Oracles: `naive_recurrent_kda` (token-by-token recurrence), `naive_chunk_kda` (the plain chunked form), a
+literal matrix form of the recurrence, `naive_causal_short_conv` (per-sequence loop) and, for the layer,
+each sequence run alone / in one pass.
 Tolerances are relative RMS errors ||a - b|| / ||b||, stated in each test.
 """
 
@@ -14,13 +16,14 @@ import torch
 import torch.nn.functional as F
 
 import model.kda as kda_mod
-from model import kda_cpu
+from model import kda_chunk, kda_cpu
 from model.kda import (
     KDALayerState,
     KDAttention,
     chunk_kda,
     fused_recurrent_kda_step,
     kda_gate,
+    naive_chunk_kda,
     naive_recurrent_kda,
     unbounded_kda_gate,
 )
@@ -116,13 +119,33 @@ def test_chunk_matches_naive(chunk_size, with_state, cpu_path):
     assert o.shape == (B, T, H, V) and S.shape == (B, H, K, V) and S.dtype == torch.float32
     assert rel_rms(o, o_ref) < FP32_TOL
     assert rel_rms(S, S_ref) < FP32_TOL
+    o_pc, S_pc = naive_chunk_kda(q, k, v, g, beta, S0, chunk_size=chunk_size)  # the plain chunked oracle
+    assert rel_rms(o, o_pc) < FP32_TOL and rel_rms(S, S_pc) < FP32_TOL
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 64, 128])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_plain_chunked_reference_matches_recurrence(chunk_size, with_state):
+    """The two references agree: the plain chunked form (3) (pairwise decays, triangular solve, any chunk
+    size, T=100 not a multiple of it) == the token-by-token recurrence. Both fp32; tolerance rel-RMS < 1e-5
+    (only the summation order differs), for o and the final state."""
+    B, T = 2, 100
+    q, k, v, g, beta = make_inputs(B, T, seed=20 + chunk_size)
+    S0 = torch.randn(B, H, K, V) if with_state else None
+    o_ref, S_ref = naive_recurrent_kda(q, k, v, g, beta, S0)
+    o, S = naive_chunk_kda(q, k, v, g, beta, S0, chunk_size=chunk_size)
+    assert o.shape == (B, T, H, V) and o.dtype == v.dtype and S.dtype == torch.float32
+    assert rel_rms(o, o_ref) < 1e-5 and rel_rms(S, S_ref) < 1e-5
+    o0, S0_out = naive_chunk_kda(*(x[:, :0] for x in (q, k, v, g, beta)), S0)  # T = 0: S0 passes through
+    assert o0.shape == (B, 0, H, V)
+    torch.testing.assert_close(S0_out, torch.zeros(B, H, K, V) if S0 is None else S0)
 
 
 @pytest.fixture(params=["one_block", "block_per_step"])
 def cpu_blocks(request, monkeypatch):
     """chunk_kda processes chunk steps in cache-sized blocks on CPU; also run with one step per block."""
     if request.param == "block_per_step":
-        monkeypatch.setattr(kda_mod, "_CPU_BLOCK_ELEMS", 1)
+        monkeypatch.setattr(kda_chunk, "_CPU_BLOCK_ELEMS", 1)
     return request.param
 
 
@@ -259,7 +282,7 @@ def test_fused_cpu_kernels_build():
     path with a warning. Here that is a failure, so CI never passes on the fallback unnoticed."""
     kernels = kda_cpu.load()
     assert kernels is not None, "kda_cpu.cpp did not build: run python -m model.kda_cpu --verbose"
-    assert kernels.LOG2_FLOOR == kda_mod._LOG2_FLOOR  # the same decay floor on both paths
+    assert kernels.LOG2_FLOOR == kda_chunk._LOG2_FLOOR  # the same decay floor on both paths
 
 
 def test_failed_kernel_build_warns_once_and_falls_back_to_the_torch_path(monkeypatch):
@@ -296,8 +319,8 @@ def test_fused_cpu_path_equals_torch_path(chunk_size, cpu_blocks, monkeypatch):
     beta = torch.rand(1, T, h, generator=gen)
     S0 = torch.randn(len(lens), h, K, Vw, generator=gen)
     cu = cu_from(lens)
-    calls, fused_intra = [], kda_mod._wy_intra_chunk_fused
-    monkeypatch.setattr(kda_mod, "_wy_intra_chunk_fused", lambda *a: calls.append(1) or fused_intra(*a))
+    calls, fused_intra = [], kda_chunk._wy_intra_chunk_fused
+    monkeypatch.setattr(kda_chunk, "_wy_intra_chunk_fused", lambda *a: calls.append(1) or fused_intra(*a))
     o_f, S_f = chunk_kda(q, k, v, g, beta, S0, chunk_size=chunk_size, cu_seqlens=cu)
     assert calls, "the fused path was not taken"
     monkeypatch.setenv("ODYSSEY_KDA_CPU_KERNEL", "0")

@@ -108,6 +108,17 @@ def test_exec_basics(sandbox_pool) -> None:
     _assert_host_and_pool_fine(sandbox_pool)
 
 
+def test_image_smoke(sandbox_pool) -> None:
+    """The image's build-time smoke command (python3 runs, as uid 1000, /work writable), in a hardened
+    sandbox; the build itself only runs it in a plain `docker run` (sandbox/image.py)."""
+    from sandbox.image import SMOKE_COMMAND, SMOKE_OUTPUT
+
+    with sandbox_pool.lease_sync() as sb:
+        res = sb.exec(SMOKE_COMMAND)
+        assert res.exit_code == 0 and res.stdout.split() == SMOKE_OUTPUT, res
+        assert sb.exec("test -f /work/ok").exit_code == 0
+
+
 def test_agent_cannot_kill_the_sandbox_and_no_command_runs_twice(sandbox_pool) -> None:
     with sandbox_pool.lease_sync() as sb:
         assert sb.exec("kill -9 1").exit_code != 0  # pid 1 (docker-init) and sleep belong to nobody

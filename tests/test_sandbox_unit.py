@@ -66,7 +66,11 @@ def test_stream_capture_memory_is_bounded_by_cap() -> None:
 def test_parse_bytes_and_limits_validation() -> None:
     assert _parse_bytes("512m") == 512 * 2**20
     assert _parse_bytes("1g") == 2**30 and _parse_bytes("64k") == 65536 and _parse_bytes(123) == 123
-    assert _parse_bytes("1.5m") == int(1.5 * 2**20)
+    assert _parse_bytes("1.5m") == int(1.5 * 2**20) and _parse_bytes("512MB") == _parse_bytes(" 512mb ")
+    assert _parse_bytes("4096") == 4096
+    for bad in ("12x", "m", "", "1.5q", None, True, 1.5):
+        with pytest.raises(ValueError, match=r"SandboxLimits.work_size must be a (positive )?size.*'256m'"):
+            SandboxLimits(work_size=bad)
     with pytest.raises(ValueError, match="pids >= 16"):
         SandboxLimits(pids=1)
     with pytest.raises(ValueError, match="SandboxLimits.memory"):

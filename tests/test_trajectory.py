@@ -15,7 +15,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rl.trajectory import SCHEMA, Trajectory, TrajectoryStore, TurnSpan, trajectories_from_batch
+from rl.trajectory import (
+    SCHEMA,
+    Trajectory,
+    TrajectoryStore,
+    TurnSpan,
+    trajectories_from_batch,
+    trajectories_to_batch,
+    trajectory_from_batch,
+)
 from tests.traj_factory import assert_traj_equal, make_traj, step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,9 +117,7 @@ def test_validation_errors(change, match):
 def test_arrow_record_roundtrip():
     trajs = [_rich_traj(0), _rich_traj(1, routed=False, version=None)]
     for t in trajs:
-        assert_traj_equal(Trajectory.from_arrow(t.to_arrow()), t)
-    from rl.trajectory import trajectories_to_batch
-
+        assert_traj_equal(trajectory_from_batch(trajectories_to_batch([t])), t)
     batch = trajectories_to_batch(trajs)
     assert batch.schema.equals(SCHEMA) and batch.num_rows == 2
     back = trajectories_from_batch(batch)
@@ -119,18 +125,18 @@ def test_arrow_record_roundtrip():
     assert_traj_equal(back[1], trajs[1])
     assert back[0].metadata["seed"] == 0  # numpy scalars in metadata are stored as JSON numbers
     empty = Trajectory(tokens=[], loss_mask=[], rollout_logprobs=[], routed_experts=np.zeros((0, 7, 2)))
-    assert_traj_equal(Trajectory.from_arrow(empty.to_arrow()), empty)
+    assert_traj_equal(trajectory_from_batch(trajectories_to_batch([empty])), empty)
 
 
 def test_unserialisable_fields_are_clear_errors():
     t = _rich_traj(0)
     t.step_infos[0]["obj"] = object()
     with pytest.raises(TypeError, match="step_infos must be JSON-serialisable"):
-        t.to_arrow()
+        trajectories_to_batch([t])
     t = _rich_traj(0)
     t.metadata["policy_version"] = "v3"
     with pytest.raises(TypeError, match="policy_version"):
-        t.to_arrow()
+        trajectories_to_batch([t])
 
 
 def test_store_roundtrip_batches_order_and_filters(tmp_path):
@@ -185,7 +191,7 @@ def test_leftover_temp_file_is_ignored_with_warning(tmp_path):
     # a complete, valid Arrow file that was never renamed is still not a record
     full = tmp_path / ".crashed-writer.arrow.tmp"
     with pa.ipc.new_file(str(full), SCHEMA) as w:
-        w.write_batch(_rich_traj(1).to_arrow())
+        w.write_batch(trajectories_to_batch([_rich_traj(1)]))
     (tmp_path / ".half.arrow.tmp").write_bytes(b"ARROW1\x00\x00garbage")
     with pytest.warns(RuntimeWarning, match="ignoring temporary file"):
         assert [t.metadata["task_id"] for t in store.read_all()] == ["t0"]
@@ -209,7 +215,7 @@ def test_truncated_file_is_skipped_with_warning(tmp_path):
 def test_unknown_schema_version_is_an_error(tmp_path):
     schema = SCHEMA.with_metadata({b"odyssey.trajectory.schema_version": b"999"})
     with pa.ipc.new_file(str(tmp_path / "x.arrow"), schema) as w:
-        w.write_batch(_rich_traj(0).to_arrow().replace_schema_metadata(schema.metadata))
+        w.write_batch(trajectories_to_batch([_rich_traj(0)]).replace_schema_metadata(schema.metadata))
     with pytest.raises(ValueError, match="schema version"):
         TrajectoryStore(tmp_path).read_all()
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from rl.trajectory import Trajectory, TurnSpan
+from envs.trajectory import Trajectory, TurnSpan
 
 
 def step(

@@ -36,9 +36,7 @@ import numpy as np
 
 from rl.rollout.engine import GenerationRequest, InferenceEngine, Session
 from rl.rollout.sampling import SamplingParams
-from rl.trajectory import Trajectory, TurnSpan
-
-STEP_INFO_KEYS = ("tool_calls", "tool_results", "tool_errors", "subgoals", "env_reward", "infra_error")
+from rl.trajectory import StepInfo, Trajectory, TurnSpan
 
 
 @dataclass(frozen=True)
@@ -144,7 +142,8 @@ def _split_routing(r: np.ndarray | None, sizes: list[int]) -> list[np.ndarray | 
     return out
 
 
-def _jsonable(info: dict) -> dict:
+def _step_info(info: dict, reward: float) -> StepInfo:
+    """The typed record of an env's step info (values that JSON cannot store become their repr)."""
     out = {}
     for k, v in info.items():
         try:
@@ -152,9 +151,9 @@ def _jsonable(info: dict) -> dict:
         except (TypeError, ValueError):
             v = repr(v)
         out[k] = v
-    for k in STEP_INFO_KEYS:
-        out.setdefault(k, None if k == "infra_error" else (0.0 if k == "env_reward" else []))
-    return out
+    step = StepInfo.from_dict(out)
+    step.env_reward = float(reward)
+    return step
 
 
 def _err(e: BaseException) -> str:
@@ -181,7 +180,7 @@ async def run_episode(
         "env_id": getattr(env, "env_id", type(env).__name__),
         **(metadata or {}),
     }
-    step_infos: list[dict] = []
+    step_infos: list[StepInfo] = []
     finish_reasons: list[str] = []
     outcome, terminated, truncated, infra = None, False, False, None
     stop_ids, stop_strs = codec.stops(cfg.stop_on_tool_call)
@@ -230,15 +229,14 @@ async def run_episode(
             text = codec.decode(gen[:-1] if stopped else gen)
             try:
                 obs, reward, terminated, truncated, info = await env.astep(text)
+                step = _step_info(info, reward)  # a malformed info is the env's fault: an infra error
             except Exception as e:
                 infra = f"env.step: {_err(e)}"
-                step_infos.append(_jsonable({"infra_error": infra}))
+                step_infos.append(StepInfo(infra_error=infra))
                 break
-            step = _jsonable(info)
-            step["env_reward"] = float(reward)
             step_infos.append(step)
-            if step.get("infra_error"):
-                infra = str(step["infra_error"])
+            if step.infra_error:
+                infra = step.infra_error
                 break
             if terminated:
                 s = info.get("success")
