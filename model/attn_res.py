@@ -94,7 +94,9 @@ class AttnResStream:
 
     blocks: list[torch.Tensor]
     partial: torch.Tensor | None = None
-    _inv: dict[float, tuple[list[torch.Tensor], torch.Tensor | None]] = field(default_factory=dict, repr=False)
+    # eps -> (inverse RMS of the blocks known so far, of the partial sum or None)
+    _inv: dict[float, tuple[list[torch.Tensor], torch.Tensor | None]] = field(default_factory=dict,
+                                                                              repr=False)
 
     def inv_rms(self, eps: float) -> list[torch.Tensor]:
         """`inverse_rms(v, eps)` [T] of every source (order of `sources()`), each computed once."""

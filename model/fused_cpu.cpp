@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 using at::Tensor;
@@ -31,10 +32,55 @@ inline void gemv(const float* W, const float* x, float* y, int64_t rows, int64_t
   }
 }
 
-// SiTU-GLU (model/activations.py): 4 tanh(g / 4) sigmoid(g) * 25 tanh(u / 25).
-inline float situ_glu(float g, float u) {
-  return 4.f * std::tanh(g * 0.25f) / (1.f + std::exp(-g)) * (25.f * std::tanh(u * 0.04f));
+// ---- vectorisable elementwise math (plain float / int arithmetic, no libm calls, so `omp simd` loops vectorise)
+// e^x to ~2 ulp for x in [-87, 88] (clamped outside): Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, then the
+// degree-7 Taylor polynomial of e^r and 2^n written into the exponent bits.
+inline float exp_f(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float y = x * 1.44269504f + 0.5f;
+  int32_t n = static_cast<int32_t>(y);
+  n -= static_cast<int32_t>(y < static_cast<float>(n));  // floor
+  const float fn = static_cast<float>(n);
+  const float r = (x - fn * 0.693145751953125f) - fn * 1.428606765330187e-6f;
+  float p = 1.9841270e-4f;
+  p = p * r + 1.3888889e-3f;
+  p = p * r + 8.3333333e-3f;
+  p = p * r + 4.1666667e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return p * scale;
 }
+
+// e^x - 1 without cancellation near 0: the degree-9 Taylor polynomial for |x| < 0.5, e^x - 1 beyond.
+inline float expm1_f(float x) {
+  float p = 2.7557319e-6f;
+  p = p * x + 2.4801587e-5f;
+  p = p * x + 1.9841270e-4f;
+  p = p * x + 1.3888889e-3f;
+  p = p * x + 8.3333333e-3f;
+  p = p * x + 4.1666667e-2f;
+  p = p * x + 1.6666667e-1f;
+  p = p * x + 0.5f;
+  p = p * x * x + x;
+  return std::fabs(x) < 0.5f ? p : exp_f(x) - 1.0f;
+}
+
+inline float sigmoid_f(float x) { return 1.0f / (1.0f + exp_f(-x)); }
+
+// tanh(x) = -expm1(-2|x|) / (2 + expm1(-2|x|)), sign restored; accurate near 0 (no 1 - 2/(e^2x + 1) cancellation).
+inline float tanh_f(float x) {
+  const float e = expm1_f(-2.0f * std::min(std::fabs(x), 9.0f));
+  const float t = -e / (2.0f + e);
+  return x < 0.0f ? -t : t;
+}
+
+// SiTU-GLU (model/activations.py): 4 tanh(g / 4) sigmoid(g) * 25 tanh(u / 25).
+inline float situ_glu(float g, float u) { return 4.f * tanh_f(g * 0.25f) * sigmoid_f(g) * (25.f * tanh_f(u * 0.04f)); }
 
 }  // namespace
 
@@ -78,7 +124,10 @@ Tensor moe_experts(const Tensor& z, const Tensor& idx, const Tensor& p, const Te
     for (int64_t s = begin; s < end; ++s) {
       const int64_t pair = order[s], t = pair / k, e = E[pair];
       gemv(W1 + e * 2 * I * L, Z + t * L, h.data(), 2 * I, L);
-      for (int64_t i = 0; i < I; ++i) a[i] = situ_glu(h[i], h[I + i]);
+      const float* hp = h.data();
+      float* ap = a.data();
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) ap[i] = situ_glu(hp[i], hp[I + i]);
       float* yp = Y + pair * L;
       gemv(W2 + e * L * I, a.data(), yp, L, I);
       const float w = P[pair];
@@ -100,6 +149,107 @@ Tensor moe_experts(const Tensor& z, const Tensor& idx, const Tensor& p, const Te
   return out;
 }
 
+// One decode step of a KDA layer (model/kda.py `KDAttention`, one new token for each of N sequences), from the
+// token's projections to the gated, normalised output, in one pass per (sequence, head):
+//   proj [N, P]   input projections, columns [q (H K) | k (H K) | v (H V) | beta logit (H) | anything], P >= 3HK + H
+//   zf [N, H K]   W_fb W_fa x (the gate pre-activation before dt_bias); zg [N, H V] W_gb W_ga x + b_gb
+//   conv_w [C, W], conv_state [N, C, W-1] (C = 2 H K + H V, oldest first); dt_bias [H K]; A_log [H]
+//   o_norm_w [V], state [N, H, K, V] (S of recurrence (1))
+// Per head: short conv + SiLU of q, k, v; q, k L2-normalised (eps 1e-6), q scaled by K^-1/2; beta = sigmoid;
+// g = g_min sigmoid(e^{A_h} (zf + dt_bias)); S' = Diag(e^g) S, S_new = S' + beta k (v - S'^T k)^T, o = S_new^T q;
+// o = sigmoid(zg) * RMSNorm(o) (weight o_norm_w, eps). Returns o [N, H V], the new conv state, the new state
+// (new tensors: the given cache is not modified).
+std::vector<Tensor> kda_decode(const Tensor& proj, const Tensor& zf, const Tensor& zg, const Tensor& conv_w,
+                               const Tensor& conv_state, const Tensor& dt_bias, const Tensor& A_log, double g_min,
+                               const Tensor& o_norm_w, double eps, const Tensor& state) {
+  for (auto [t, name] : {std::pair{&proj, "proj"}, {&zf, "zf"}, {&zg, "zg"}, {&conv_w, "conv_w"},
+                         {&conv_state, "conv_state"}, {&dt_bias, "dt_bias"}, {&A_log, "A_log"},
+                         {&o_norm_w, "o_norm_w"}, {&state, "state"}})
+    check_f32_contiguous(*t, name);
+  const int64_t N = state.size(0), H = state.size(1), K = state.size(2), V = state.size(3);
+  const int64_t C = conv_w.size(0), W = conv_w.size(1), P = proj.size(1);
+  TORCH_CHECK(C == 2 * H * K + H * V && conv_state.size(0) == N && conv_state.size(1) == C &&
+                  conv_state.size(2) == W - 1 && proj.size(0) == N && P >= 3 * H * K + H,
+              "fused_cpu.kda_decode: shapes do not match the state [N, H, K, V]");
+  Tensor o = at::empty({N, H * V}, proj.options());
+  Tensor conv_new = at::empty_like(conv_state), S_new = at::empty_like(state);
+  const float *X = proj.data_ptr<float>(), *ZF = zf.data_ptr<float>(), *ZG = zg.data_ptr<float>();
+  const float *CW = conv_w.data_ptr<float>(), *CS = conv_state.data_ptr<float>(), *DT = dt_bias.data_ptr<float>();
+  const float *AL = A_log.data_ptr<float>(), *NW = o_norm_w.data_ptr<float>(), *S0 = state.data_ptr<float>();
+  float *O = o.data_ptr<float>(), *CN = conv_new.data_ptr<float>(), *S1 = S_new.data_ptr<float>();
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(K)), gm = static_cast<float>(g_min);
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(K), k(K), v(V), decay(K);
+    for (int64_t nh = begin; nh < end; ++nh) {
+      const int64_t n = nh / H, h = nh % H;
+      // short conv (the last W-1 inputs + this token) and SiLU, for the head's q, k, v channels
+      auto conv = [&](int64_t c0, int64_t width, float* out) {
+        for (int64_t d = 0; d < width; ++d) {
+          const int64_t c = c0 + d;
+          const float* st = CS + (n * C + c) * (W - 1);
+          const float* w = CW + c * W;
+          const float x = X[n * P + c];
+          float y = w[W - 1] * x;
+          for (int64_t i = 0; i < W - 1; ++i) y += w[i] * st[i];
+          float* sn = CN + (n * C + c) * (W - 1);
+          for (int64_t i = 0; i + 1 < W - 1; ++i) sn[i] = st[i + 1];
+          if (W > 1) sn[W - 2] = x;
+          out[d] = y * sigmoid_f(y);
+        }
+      };
+      conv(h * K, K, q.data());
+      conv(H * K + h * K, K, k.data());
+      conv(2 * H * K + h * V, V, v.data());
+      float qq = 0.f, kk = 0.f;
+      for (int64_t d = 0; d < K; ++d) {
+        qq += q[d] * q[d];
+        kk += k[d] * k[d];
+      }
+      const float rq = q_scale / std::sqrt(qq + 1e-6f), rk = 1.0f / std::sqrt(kk + 1e-6f);
+      for (int64_t d = 0; d < K; ++d) {
+        q[d] *= rq;
+        k[d] *= rk;
+      }
+      const float beta = sigmoid_f(X[n * P + 3 * H * K + h]);
+      const float a = std::exp(AL[h]);
+      for (int64_t d = 0; d < K; ++d)
+        decay[d] = exp_f(gm * sigmoid_f(a * (ZF[n * H * K + h * K + d] + DT[h * K + d])));
+      // S' = Diag(decay) S; delta = v - S'^T k; S_new = S' + beta k delta^T; o = S_new^T q
+      const float* s0 = S0 + nh * K * V;
+      float* s1 = S1 + nh * K * V;
+      std::vector<float> delta(v);
+      for (int64_t d = 0; d < K; ++d) {
+        const float* row = s0 + d * V;
+        float* out = s1 + d * V;
+        const float f = decay[d], kd = k[d];
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) {
+          out[j] = row[j] * f;
+          delta[j] -= kd * out[j];
+        }
+      }
+      float* o_nh = O + n * H * V + h * V;
+      std::fill(o_nh, o_nh + V, 0.f);
+      for (int64_t d = 0; d < K; ++d) {
+        float* row = s1 + d * V;
+        const float bk = beta * k[d], qd = q[d];
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) {
+          row[j] += bk * delta[j];
+          o_nh[j] += qd * row[j];
+        }
+      }
+      float ss = 0.f;
+      for (int64_t j = 0; j < V; ++j) ss += o_nh[j] * o_nh[j];
+      const float r = 1.0f / std::sqrt(ss / static_cast<float>(V) + static_cast<float>(eps));
+      const float* zg_nh = ZG + n * H * V + h * V;
+      for (int64_t j = 0; j < V; ++j) o_nh[j] = sigmoid_f(zg_nh[j]) * (o_nh[j] * r * NW[j]);
+    }
+  });
+  return {o, conv_new, S_new};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kda_decode", &kda_decode, "one KDA layer decode step after the input projections (CPU, fp32)");
   m.def("moe_experts", &moe_experts, "routed experts of LatentMoE for a small batch (CPU, fp32, no autograd)");
 }

@@ -5,13 +5,16 @@ kernels do one step's work of a component in one call: `moe_experts` (LatentMoE'
 tokens). They serve fp32 CPU tensors without autograd (rollout decoding, the benchmark); the torch code of
 each component is the reference and the autograd path, and tests check that the two agree.
 
-Built once per machine like model/kda_cpu.py (same compiler flags, torch's extension cache); if the build
-fails, `load()` warns once and the callers use their torch paths. ODYSSEY_FUSED_CPU_KERNEL=0 turns the
-kernels off.
+Built once per machine like model/kda_cpu.py (same compiler flags) into torch's extension cache
+(TORCH_EXTENSIONS_DIR), in a directory keyed by the source's hash and the torch installation it is built
+against: the same torch reached through two paths (a symlinked venv) gives two compiler command lines, and
+one shared directory would be rebuilt at every switch. If the build fails, `load()` warns once and the
+callers use their torch paths. ODYSSEY_FUSED_CPU_KERNEL=0 turns the kernels off.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -46,13 +49,25 @@ def applies(*tensors: torch.Tensor) -> ModuleType | None:
     return load()
 
 
+def build_directory() -> Path:
+    """TORCH_EXTENSIONS_DIR/odyssey_fused_cpu_<hash of the source and the torch it builds against>."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    key = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__file__}|{torch.__version__}".encode()).hexdigest()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / f"odyssey_fused_cpu_{key[:12]}"
+
+
 def _build(verbose: bool) -> ModuleType | None:
     from torch.utils.cpp_extension import load as load_extension
 
     try:
+        build_dir = build_directory()
+        build_dir.mkdir(parents=True, exist_ok=True)
         return load_extension(
             name="odyssey_fused_cpu",
             sources=[str(SOURCE)],
+            build_directory=str(build_dir),
             extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=verbose,

@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import kda_chunk, kda_fla
+from model import fused_cpu, kda_chunk, kda_fla
+from model.fused_weights import ConcatWeight
 from model.kda_chunk import MAX_TILE_LOG_DECAY, TILE
 from model.kda_reference import naive_chunk_kda, naive_recurrent_kda
 from model.norm import RMSNorm
@@ -202,6 +203,7 @@ class KDAttention(nn.Module):
         self.g_b_proj = nn.Linear(K, H * K, bias=True)
         self.o_norm = RMSNorm(K, eps=getattr(config, "rms_norm_eps", 1e-6))  # per head, weight [K] shared
         self.o_proj = nn.Linear(H * K, D, bias=False)
+        self._decode_in_weight = ConcatWeight()  # [W_q; W_k; W_v; W_b; W_fa; W_ga] for the fused decode step
         self.reset_gate_parameters()
 
     @torch.no_grad()
@@ -234,6 +236,10 @@ class KDAttention(nn.Module):
                 f"(expected recurrent [N, {H}, {K}, {K}]): select() the matching cache rows"
             )
 
+        if state is not None and all(n == 1 for n in lens):  # decode: one new token per sequence
+            fused = self.decode_step_fused(x, state)
+            if fused is not None:
+                return fused
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         mixed, conv_state = causal_short_conv(
             mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state.conv
@@ -263,6 +269,29 @@ class KDAttention(nn.Module):
         gate = torch.sigmoid(self.g_b_proj(self.g_a_proj(x))).view(T, H, K)
         o = (gate * self.o_norm(o.to(x.dtype))).reshape(T, H * K)
         return self.o_proj(o), KDALayerState(S, conv_state)
+
+    def decode_step_fused(
+        self, x: torch.Tensor, state: KDALayerState
+    ) -> tuple[torch.Tensor, KDALayerState] | None:
+        """The decode step (one token per sequence, x [N, D]) as one matmul for the six input projections,
+        the two rank-K gate up-projections, ONE fused CPU kernel for conv, norms, gate, recurrence (1) and
+        output gate (model/fused_cpu.cpp `kda_decode`), and the output projection. Returns None (the caller
+        runs the torch path, the reference) unless every tensor is fp32 on CPU and no gradient is needed."""
+        kernels = fused_cpu.applies(x, state.recurrent, state.conv, self.q_proj.weight, self.conv1d.weight)
+        if kernels is None:
+            return None
+        H, K = self.num_heads, self.head_dim
+        w_in = self._decode_in_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                      self.b_proj.weight, self.f_a_proj.weight, self.g_a_proj.weight)
+        proj = F.linear(x, w_in)  # [N, 3HK + H + 2K]
+        fa = 3 * H * K + H
+        zf = F.linear(proj[:, fa:fa + K], self.f_b_proj.weight)
+        zg = F.linear(proj[:, fa + K:fa + 2 * K], self.g_b_proj.weight, self.g_b_proj.bias)
+        conv_w = self.conv1d.weight.view(self.conv1d.weight.shape[0], self.conv_size)
+        o, conv, S = kernels.kda_decode(proj, zf, zg, conv_w, state.conv.contiguous(), self.dt_bias,
+                                        self.A_log, self.g_min, self.o_norm.weight, self.o_norm.eps,
+                                        state.recurrent.contiguous())
+        return self.o_proj(o), KDALayerState(S, conv)
 
 
 __all__ = [

@@ -41,10 +41,9 @@ from model.expert_load import ExpertLoadTracker
 from model.ffn import DenseFFN
 from model.norm import RMSNorm
 
-
-# Up to this many (token, expert) pairs per expert on average, the no-autograd fp32 CPU path runs the experts in
-# one fused call that reads each chosen expert's weights in place (gemv per pair); above it, one matmul pair per
-# expert segment reuses the weights better.
+# Up to this many (token, expert) pairs per expert on average, the no-autograd fp32 CPU path runs the
+# experts in one fused call that reads each chosen expert's weights in place (gemv per pair); above it, one
+# matmul pair per expert segment reuses the weights better.
 _FUSED_PAIRS_PER_EXPERT = 4
 
 

@@ -156,7 +156,8 @@ def test_stream_reads_reuse_each_sources_inverse_rms(monkeypatch):
     real = attn_res_mod.inverse_rms
     for step in range(6):
         for r in reads:
-            monkeypatch.setattr(attn_res_mod, "inverse_rms", lambda v, eps: computed.append(v) or real(v, eps))
+            monkeypatch.setattr(attn_res_mod, "inverse_rms",
+                                lambda v, eps: computed.append(v) or real(v, eps))
             h = r.read(stream)
             monkeypatch.setattr(attn_res_mod, "inverse_rms", real)
             torch.testing.assert_close(h, r(stream.sources()), atol=1e-6, rtol=1e-6)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import model.kda as kda_mod
-from model import kda_chunk, kda_cpu
+from model import fused_cpu, kda_chunk, kda_cpu
 from model.kda import (
     KDALayerState,
     KDAttention,
@@ -465,6 +465,45 @@ def test_kda_layer_prefill_then_decode_equals_full_forward(monkeypatch):
         assert rel_rms(torch.cat(got[n]), y_full[n]) < 1e-4, n
     assert rel_rms(state.recurrent, st_full.recurrent) < 1e-4
     torch.testing.assert_close(state.conv, st_full.conv, rtol=0, atol=1e-5)  # projection GEMM blocking
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("conv_size", [4, 1])
+def test_fused_decode_step_equals_torch_step(conv_size, monkeypatch):
+    """Without autograd a one-token-per-sequence step runs ONE fused CPU kernel after a single matmul for the
+    six input projections (model/fused_cpu.cpp `kda_decode`): outputs, recurrent and conv state equal the
+    torch step (kernels off: projections, short conv, fused_recurrent_kda_step), rel-RMS < 1e-5,
+    over 5 steps from a prefilled state; the kernel is really taken; the given state is left untouched; and a
+    weight update (in place, as an optimizer or update_weights does) reaches the fused path at once."""
+    kernels = fused_cpu.load()
+    assert kernels is not None, "model/fused_cpu.cpp did not build"
+    calls = {"n": 0}
+
+    class Counting:
+        def kda_decode(self, *args):
+            calls["n"] += 1
+            return kernels.kda_decode(*args)
+
+    layer = make_layer(3, kda_conv_size=conv_size)
+    lens = [7, 1, 13]
+    _, state = layer(torch.randn(sum(lens), 64), cu_from(lens))
+    cu1 = cu_from([1, 1, 1])
+    st_fast, st_ref = state, state
+    for step in range(5):
+        if step == 3:
+            layer.q_proj.weight.mul_(1.1)
+        x = torch.randn(3, 64)
+        before = st_fast.recurrent.clone(), st_fast.conv.clone()
+        monkeypatch.setattr(fused_cpu, "load", lambda: Counting())
+        y_fast, st_fast_new = layer(x, cu1, st_fast)
+        assert torch.equal(st_fast.recurrent, before[0]) and torch.equal(st_fast.conv, before[1])
+        monkeypatch.setattr(fused_cpu, "load", lambda: None)
+        y_ref, st_ref = layer(x, cu1, st_ref)
+        st_fast = st_fast_new
+        assert rel_rms(y_fast, y_ref) < 1e-5
+        assert rel_rms(st_fast.recurrent, st_ref.recurrent) < 1e-5
+        assert rel_rms(st_fast.conv, st_ref.conv) < 1e-5
+    assert calls["n"] == 5
 
 
 def test_kda_layer_conv_and_state_do_not_leak_across_boundaries():
