@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from model import fused_cpu
+
 
 def situ_glu(
     gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0
@@ -20,3 +22,15 @@ def situ_glu(
     g = beta_gate * torch.tanh(gate / beta_gate) * torch.sigmoid(gate)
     u = beta_up * torch.tanh(up / beta_up)
     return g * u
+
+
+def situ_glu_gu(gu: torch.Tensor) -> torch.Tensor:
+    """SiTU-GLU of one projection holding [gate | up] on its last dim: [..., 2I] -> [..., I].
+
+    Without autograd on fp32 CPU tensors this is one fused kernel (model/fused_cpu.cpp `situ_glu_gu`) instead
+    of eight elementwise ops; otherwise `situ_glu(gate, up)`."""
+    kernels = fused_cpu.applies(gu) if gu.dim() == 2 and gu.shape[0] else None
+    if kernels is not None:
+        return kernels.situ_glu_gu(gu.contiguous())
+    gate, up = gu.chunk(2, dim=-1)
+    return situ_glu(gate, up)

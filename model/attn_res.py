@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from model import fused_cpu
+
 
 def inverse_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
     """1 / sqrt(mean(v^2, -1) + eps) in fp32: v [..., D] -> [...] (RMSNorm(v) = v * inverse_rms(v) * g)."""
@@ -80,8 +82,17 @@ class AttnResRead(nn.Module):
         return h.to(sources[0].dtype)
 
     def read(self, stream: AttnResStream) -> torch.Tensor:
-        """This read over the stream's sources (with their cached inverse RMS)."""
-        return self(stream.sources(), stream.inv_rms(self.eps))
+        """This read over the stream's sources (with their cached inverse RMS). Without autograd on fp32 CPU
+        tensors [T, D] the whole read is one fused kernel (model/fused_cpu.cpp `attn_res_read`)."""
+        sources = stream.sources()
+        kernels = fused_cpu.applies(*sources, self.query, self.norm_weight) if sources[0].dim() == 2 else None
+        if kernels is None:
+            return self(sources, stream.inv_rms(self.eps))
+        known = stream.inv_rms(self.eps, compute=False)
+        h, *new = kernels.attn_res_read([v.contiguous() for v in sources], known, self.query,
+                                        self.norm_weight, self.eps)
+        stream.set_inv_rms(self.eps, known + new)
+        return h
 
 
 @dataclass
@@ -98,15 +109,24 @@ class AttnResStream:
     _inv: dict[float, tuple[list[torch.Tensor], torch.Tensor | None]] = field(default_factory=dict,
                                                                               repr=False)
 
-    def inv_rms(self, eps: float) -> list[torch.Tensor]:
-        """`inverse_rms(v, eps)` [T] of every source (order of `sources()`), each computed once."""
+    def inv_rms(self, eps: float, compute: bool = True) -> list[torch.Tensor]:
+        """`inverse_rms(v, eps)` [T] of every source (order of `sources()`), each computed once.
+        compute=False: only those already known (a prefix of the sources)."""
         blocks_r, partial_r = self._inv.get(eps, ([], None))
         blocks_r = blocks_r[: len(self.blocks)]
+        if not compute:
+            complete = len(blocks_r) == len(self.blocks) and partial_r is not None
+            return [*blocks_r, partial_r] if complete else list(blocks_r)
         blocks_r += [inverse_rms(v, eps) for v in self.blocks[len(blocks_r):]]
         if self.partial is not None and partial_r is None:
             partial_r = inverse_rms(self.partial, eps)
         self._inv[eps] = (blocks_r, partial_r)
         return blocks_r if self.partial is None else [*blocks_r, partial_r]
+
+    def set_inv_rms(self, eps: float, inv_rms: list[torch.Tensor]) -> None:
+        """Store the inverse RMS of every source (order of `sources()`), computed elsewhere."""
+        nb = len(self.blocks)
+        self._inv[eps] = (list(inv_rms[:nb]), inv_rms[nb] if self.partial is not None else None)
 
     def sources(self) -> list[torch.Tensor]:
         """The tensors [T, D] an AttnRes read mixes: blocks, plus the partial sum when it is open."""

@@ -6,10 +6,13 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from model.activations import situ_glu
+from model import fused_cpu
+from model.activations import situ_glu, situ_glu_gu
 from model.config import OdysseyConfig
+from model.fused_weights import ConcatWeight
 
 
 class DenseFFN(nn.Module):
@@ -23,7 +26,15 @@ class DenseFFN(nn.Module):
         self.gate_proj = nn.Linear(d, i, bias=False)
         self.up_proj = nn.Linear(d, i, bias=False)
         self.down_proj = nn.Linear(i, d, bias=False)
+        self._gate_up = ConcatWeight()  # [W_gate; W_up]: one matmul without autograd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., D] -> [..., D]."""
+        """x [..., D] -> [..., D]. Without autograd on fp32 CPU: one [gate | up] matmul and one fused
+        SiTU-GLU kernel (same formula)."""
+        if fused_cpu.applies(x, self.gate_proj.weight) is not None and x.dim() == 2:
+            return self.down_proj(situ_glu_gu(F.linear(x, self.gate_up_weight())))
         return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x)))
+
+    def gate_up_weight(self) -> torch.Tensor:
+        """[W_gate; W_up] [2I, D], detached (no-autograd paths only)."""
+        return self._gate_up(self.gate_proj.weight, self.up_proj.weight)

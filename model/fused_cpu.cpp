@@ -249,7 +249,134 @@ std::vector<Tensor> kda_decode(const Tensor& proj, const Tensor& zf, const Tenso
   return {o, conv_new, S_new};
 }
 
+// SiTU-GLU of the concatenated projections: gu [T, 2I] = [gate | up] -> [T, I] (model/activations.py).
+Tensor situ_glu_gu(const Tensor& gu) {
+  check_f32_contiguous(gu, "gu");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  Tensor out = at::empty({T, I}, gu.options());
+  const float* G = gu.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *g = G + t * 2 * I, *u = g + I;
+      float* o = O + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = situ_glu(g[i], u[i]);
+    }
+  });
+  return out;
+}
+
+// One AttnRes read (model/attn_res.py `AttnResRead`) over S sources [T, D]:
+//   logits_i = ((query * norm_weight)^T v_i) * r_i,   h = sum_i softmax_i(logits) v_i
+// with r_i = 1 / sqrt(mean(v_i^2) + eps) given for the first inv_rms.size() sources and computed here for the
+// rest. Returns h [T, D] and the computed r_i (a list [T] each), which the stream keeps.
+std::vector<Tensor> attn_res_read(const std::vector<Tensor>& sources, const std::vector<Tensor>& inv_rms,
+                                  const Tensor& query, const Tensor& norm_weight, double eps) {
+  const int64_t S = static_cast<int64_t>(sources.size()), m = static_cast<int64_t>(inv_rms.size());
+  TORCH_CHECK(S >= 1 && m <= S, "fused_cpu.attn_res_read: needs >= 1 source and at most one r per source");
+  check_f32_contiguous(query, "query");
+  check_f32_contiguous(norm_weight, "norm_weight");
+  const int64_t T = sources[0].size(0), D = sources[0].size(1);
+  std::vector<const float*> V(S), R(S);
+  for (int64_t i = 0; i < S; ++i) {
+    check_f32_contiguous(sources[i], "source");
+    TORCH_CHECK(sources[i].dim() == 2 && sources[i].size(0) == T && sources[i].size(1) == D,
+                "fused_cpu.attn_res_read: sources must all be [T, D]");
+    V[i] = sources[i].data_ptr<float>();
+  }
+  std::vector<Tensor> out{at::empty({T, D}, sources[0].options())};
+  for (int64_t i = 0; i < S; ++i) {
+    if (i < m) {
+      check_f32_contiguous(inv_rms[i], "inv_rms");
+      R[i] = inv_rms[i].data_ptr<float>();
+    } else {
+      out.push_back(at::empty({T}, sources[0].options()));
+      R[i] = out.back().data_ptr<float>();
+    }
+  }
+  std::vector<float> w(D);
+  const float *Q = query.data_ptr<float>(), *NW = norm_weight.data_ptr<float>();
+  for (int64_t d = 0; d < D; ++d) w[d] = Q[d] * NW[d];
+  float* H = out[0].data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> logit(S);
+    for (int64_t t = begin; t < end; ++t) {
+      float mx = -INFINITY;
+      for (int64_t i = 0; i < S; ++i) {
+        const float* v = V[i] + t * D;
+        float dot = 0.f, ss = 0.f;
+#pragma omp simd reduction(+ : dot, ss)
+        for (int64_t d = 0; d < D; ++d) {
+          dot += v[d] * w[d];
+          ss += v[d] * v[d];
+        }
+        float* r = const_cast<float*>(R[i]) + t;
+        if (i >= m) *r = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+        logit[i] = dot * *r;
+        mx = std::max(mx, logit[i]);
+      }
+      float z = 0.f;
+      for (int64_t i = 0; i < S; ++i) z += (logit[i] = std::exp(logit[i] - mx));
+      float* h = H + t * D;
+      std::fill(h, h + D, 0.f);
+      for (int64_t i = 0; i < S; ++i) {
+        const float p = logit[i] / z;
+        const float* v = V[i] + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) h[d] += p * v[d];
+      }
+    }
+  });
+  return out;
+}
+
+// LatentMoE's router for a few tokens (model/moe.py `Router`): logits [T, n] = W_r x (fp32), bias b [n]:
+//   s = sigmoid(logits), idx = topk(s + b, k) (descending, ties to the lower expert id) or the given replay
+//   `forced` [T, k] (int64; empty = free choice), p = rsf s_idx / sum s_idx.
+// Returns s [T, n], idx [T, k] int64, p [T, k]. Free and replayed choices compute s and p the same way, so
+// replaying the free choice reproduces it bit for bit.
+std::vector<Tensor> moe_route(const Tensor& logits, const Tensor& bias, const Tensor& forced, int64_t k,
+                              double rsf) {
+  check_f32_contiguous(logits, "logits");
+  check_f32_contiguous(bias, "bias");
+  const int64_t T = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= n && bias.numel() == n, "fused_cpu.moe_route: need 1 <= k <= n and b [n]");
+  const bool replay = forced.numel() > 0;
+  TORCH_CHECK(!replay || (forced.scalar_type() == at::kLong && forced.is_contiguous() && forced.size(0) == T &&
+                          forced.size(1) == k),
+              "fused_cpu.moe_route: forced experts must be a contiguous int64 [T, k]");
+  Tensor s = at::empty({T, n}, logits.options()), p = at::empty({T, k}, logits.options());
+  Tensor idx = replay ? forced : at::empty({T, k}, logits.options().dtype(at::kLong));
+  const float *L = logits.data_ptr<float>(), *B = bias.data_ptr<float>();
+  float *Sp = s.data_ptr<float>(), *P = p.data_ptr<float>();
+  int64_t* I = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* st = Sp + t * n;
+    for (int64_t j = 0; j < n; ++j) st[j] = 1.0f / (1.0f + std::exp(-L[t * n + j]));
+    int64_t* it = I + t * k;
+    for (int64_t j = 0; j < k && !replay; ++j) {  // k passes of argmax over the experts not taken yet (k is small)
+      int64_t best = -1;
+      float bv = -INFINITY;
+      for (int64_t e = 0; e < n; ++e) {
+        bool taken = false;
+        for (int64_t q = 0; q < j; ++q) taken |= it[q] == e;
+        const float v = st[e] + B[e];
+        if (!taken && (best < 0 || v > bv)) best = e, bv = v;
+      }
+      it[j] = best;
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; ++j) sum += st[it[j]];
+    for (int64_t j = 0; j < k; ++j) P[t * k + j] = st[it[j]] / sum * static_cast<float>(rsf);
+  }
+  return {s, idx, p};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("situ_glu_gu", &situ_glu_gu, "SiTU-GLU of [gate | up] (CPU, fp32, no autograd)");
+  m.def("attn_res_read", &attn_res_read, "one AttnRes read with cached inverse RMS (CPU, fp32, no autograd)");
+  m.def("moe_route", &moe_route, "sigmoid top-k router for a few tokens (CPU, fp32, no autograd)");
   m.def("kda_decode", &kda_decode, "one KDA layer decode step after the input projections (CPU, fp32)");
   m.def("moe_experts", &moe_experts, "routed experts of LatentMoE for a small batch (CPU, fp32, no autograd)");
 }

@@ -14,8 +14,9 @@ with stacked weights w_gate_up [n, 2I, L] (gate rows first, vLLM's w13 layout) a
 Dispatch: flatten the T*k (token, expert) pairs, sort by expert, gather the latent rows once, run
 one [c_e, L] x [L, 2I] and one [c_e, I] x [I, L] matmul per non-empty expert on its contiguous
 segment, scale by p and index_add back into [T, L]. There is no loop over tokens. A small batch without
-autograd (decoding: at most 4 pairs per expert on average) runs in one fused CPU call instead
-(model/fused_cpu.cpp `moe_experts`, same math, only the chosen experts' weights are read).
+autograd (decoding: at most 4 pairs per expert on average) takes `forward_small`: one matmul for every
+projection of x, then fused CPU kernels for routing and experts (model/fused_cpu.cpp, same math; only the
+chosen experts' weights are read).
 `dense_reference_forward` is the slow oracle: every expert on every token, masked by p.
 
 Routing replay (R3): `replay_experts` [T, k] forces T (any integer dtype); p is still computed from
@@ -28,9 +29,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from model import fused_cpu
-from model.activations import situ_glu
+from model.activations import situ_glu, situ_glu_gu
 from model.balancing import (
     BALANCING_METHODS,
     QuantileStats,
@@ -39,6 +41,7 @@ from model.balancing import (
 )
 from model.expert_load import ExpertLoadTracker
 from model.ffn import DenseFFN
+from model.fused_weights import ConcatWeight
 from model.norm import RMSNorm
 
 # Up to this many (token, expert) pairs per expert on average, the no-autograd fp32 CPU path runs the
@@ -168,6 +171,7 @@ class LatentMoE(nn.Module):
         self._quantile = QuantileStats(k)
         self._sign = SignStats(n)
         self.load_tracker = ExpertLoadTracker(n, k, int(config.moe_load_window))
+        self._small_in_weight = ConcatWeight()  # [W_r; W_down; shared W_gate; W_up ...]: `forward_small`
         self.reset_parameters()
 
     @torch.no_grad()
@@ -196,11 +200,6 @@ class LatentMoE(nn.Module):
         z [T, L], topk_idx [T, k] int64, weights [T, k] -> [T, L] (dtype of z).
         """
         T, k = topk_idx.shape
-        if 0 < T * k <= _FUSED_PAIRS_PER_EXPERT * self.n_experts:
-            kernels = fused_cpu.applies(z, weights, self.w_gate_up, self.w_down_experts)
-            if kernels is not None:  # a few tokens, no autograd: one fused call (model/fused_cpu.cpp)
-                return kernels.moe_experts(z.contiguous(), topk_idx.contiguous(), weights.contiguous(),
-                                           self.w_gate_up, self.w_down_experts)
         out = z.new_zeros(T, self.latent_dim)
         if T == 0:
             return out + 0.0 * z.sum()
@@ -213,7 +212,7 @@ class LatentMoE(nn.Module):
         # backward would materialise a full-size [T*k, L] zero tensor
         # and unbind (not w[e]): one stacking backward instead of a full-size [n, ...] grad per expert
         w_gu, w_d = self.w_gate_up.unbind(0), self.w_down_experts.unbind(0)
-        parts = [latent_expert(w_gu[e], w_d[e], seg)
+        parts = [situ_glu_gu(seg @ w_gu[e].t()) @ w_d[e].t()  # latent_expert, with the fused activation
                  for e, seg in enumerate(zs.split(counts)) if seg.shape[0]]
         h = torch.cat(parts) * weights.reshape(-1)[order].to(z.dtype).unsqueeze(-1)
         return out.index_add(0, tok, h)
@@ -226,6 +225,10 @@ class LatentMoE(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if replay_experts is not None:
             replay_experts = replay_experts.reshape(-1, replay_experts.shape[-1])
+        small = self.forward_small(x2, replay_experts)
+        if small is not None:
+            y, idx = small
+            return y.reshape(*lead, y.shape[-1]), idx.reshape(*lead, self.k)
         scores, idx, p = self.router(x2, replay_experts)
         self._observe(scores, idx, p)
         z = self.latent_down(x2)
@@ -233,6 +236,41 @@ class LatentMoE(nn.Module):
         for shared in self.shared_experts:
             y = y + shared(x2)
         return y.reshape(*lead, y.shape[-1]), idx.reshape(*lead, self.k)
+
+    def forward_small(
+        self, x: torch.Tensor, replay_experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`forward` for a few tokens without autograd on fp32 CPU (decoding), in few calls: ONE matmul for
+        the router, W_down and the shared experts' gate/up projections (their weights concatenated), the
+        router's sigmoid / top-k / weights in one kernel, the routed experts in one kernel (reading only the
+        chosen experts' weights), one SiTU-GLU kernel per shared expert (model/fused_cpu.cpp). Same math as
+        `forward`, same `_observe`. Returns None (the caller runs `forward`'s own path) unless it applies:
+        x [T, D] with 0 < T*k <= 4 pairs per expert."""
+        T = x.shape[0]
+        if not 0 < T * self.k <= _FUSED_PAIRS_PER_EXPERT * self.n_experts:
+            return None
+        kernels = fused_cpu.applies(x, self.router.weight, self.w_gate_up, self.w_down_experts)
+        if kernels is None or not all(isinstance(s, DenseFFN) for s in self.shared_experts):
+            return None
+        n, L = self.n_experts, self.latent_dim
+        w_in = self._small_in_weight(self.router.weight, self.latent_down.weight,
+                                     *[w for s in self.shared_experts for w in (s.gate_proj.weight,
+                                                                                s.up_proj.weight)])
+        proj = F.linear(x, w_in)  # [T, n + L + sum of 2 I_shared]
+        forced = torch.empty(0, dtype=torch.long) if replay_experts is None else \
+            self.router._check_replay(replay_experts, T).contiguous()
+        scores, idx, p = kernels.moe_route(proj[:, :n].contiguous(), self.router.e_score_correction_bias,
+                                           forced, self.k, self.router.routed_scaling_factor)
+        self._observe(scores, idx, p)
+        z = proj[:, n:n + L].contiguous()
+        routed = kernels.moe_experts(z, idx, p, self.w_gate_up, self.w_down_experts)
+        y = self.latent_up(self.latent_norm(routed))
+        off = n + L
+        for shared in self.shared_experts:
+            width = 2 * shared.gate_proj.weight.shape[0]
+            y = y + shared.down_proj(kernels.situ_glu_gu(proj[:, off:off + width].contiguous()))
+            off += width
+        return y, idx
 
     def _observe(self, scores: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> None:
         """Balancing statistics (training forwards only), aux loss, and load observability."""

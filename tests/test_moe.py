@@ -80,13 +80,17 @@ class _CountingKernels:
         self.calls += 1
         return self.kernels.moe_experts(*args)
 
+    def __getattr__(self, name):
+        return getattr(self.kernels, name)
+
 
 @pytest.mark.parametrize("T", [1, 3, 16])
 @pytest.mark.parametrize("replay", [False, True])
-def test_fused_small_batch_experts_match_dense_loop(T, replay, monkeypatch):
-    """Without autograd a few tokens (<= 4 pairs per expert) run the routed experts in ONE fused CPU call
-    (model/fused_cpu.cpp `moe_experts`): equal to the dense-loop oracle, atol 1e-6 (fp32), and to the torch
-    dispatch path; the fused call is really taken, and not with autograd or for larger batches."""
+def test_fused_small_batch_forward_matches_dense_loop(T, replay, monkeypatch):
+    """Without autograd a few tokens (<= 4 pairs per expert) take `forward_small`: one matmul for router,
+    W_down and the shared expert, the routing in one kernel, the routed experts in ONE fused call
+    (model/fused_cpu.cpp). Equal to the dense-loop oracle, atol 1e-6 (fp32), same experts, and to the torch
+    path (kernels off); the fused call is really taken, and not with autograd or for larger batches."""
     kernels = fused_cpu.load()
     assert kernels is not None, "model/fused_cpu.cpp did not build"
     counting = _CountingKernels(kernels)
@@ -105,6 +109,13 @@ def test_fused_small_batch_experts_match_dense_loop(T, replay, monkeypatch):
     assert torch.equal(idx, idx_ref)
     torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(y, y_torch, atol=1e-6, rtol=1e-5)
+    if not replay:  # the routing kernel: the router's scores, experts (in its order) and weights
+        s, i, p = kernels.moe_route(x @ moe.router.weight.t(), moe.bias, torch.empty(0, dtype=torch.long), K,
+                                    2.5)
+        s_ref, i_ref, p_ref = moe.router(x)
+        torch.testing.assert_close(s, s_ref, atol=1e-7, rtol=1e-6)
+        assert torch.equal(i, i_ref)
+        torch.testing.assert_close(p, p_ref * 2.5, atol=1e-7, rtol=1e-6)
     moe(x.requires_grad_(), rep)[0].sum().backward()  # autograd: the torch dispatch
     with torch.no_grad():
         moe(torch.randn(5 * N, D))  # 10 pairs per expert: the torch dispatch
