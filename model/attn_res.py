@@ -81,16 +81,20 @@ class AttnResRead(nn.Module):
             h = torch.addcmul(h, vs[i], p[..., i:i + 1])
         return h.to(sources[0].dtype)
 
-    def read(self, stream: AttnResStream) -> torch.Tensor:
-        """This read over the stream's sources (with their cached inverse RMS). Without autograd on fp32 CPU
-        tensors [T, D] the whole read is one fused kernel (model/fused_cpu.cpp `attn_res_read`)."""
+    def read(self, stream: AttnResStream, norm: nn.Module | None = None) -> torch.Tensor:
+        """This read over the stream's sources (with their cached inverse RMS); with `norm` (an RMSNorm),
+        norm(h). Without autograd on fp32 CPU tensors [T, D] the whole read, norm included, is one fused
+        kernel (model/fused_cpu.cpp `attn_res_read`)."""
         sources = stream.sources()
         kernels = fused_cpu.applies(*sources, self.query, self.norm_weight) if sources[0].dim() == 2 else None
-        if kernels is None:
-            return self(sources, stream.inv_rms(self.eps))
+        if kernels is None or (norm is not None and norm.weight.dtype != torch.float32):
+            h = self(sources, stream.inv_rms(self.eps))
+            return h if norm is None else norm(h)
         known = stream.inv_rms(self.eps, compute=False)
+        no_norm = torch.empty(0)
         h, *new = kernels.attn_res_read([v.contiguous() for v in sources], known, self.query,
-                                        self.norm_weight, self.eps)
+                                        self.norm_weight, self.eps, no_norm if norm is None else norm.weight,
+                                        0.0 if norm is None else norm.eps)
         stream.set_inv_rms(self.eps, known + new)
         return h
 
@@ -164,11 +168,13 @@ class BlockAttnRes(nn.Module):
         self.attn_read = AttnResRead(hidden_size, eps)
         self.ffn_read = AttnResRead(hidden_size, eps)
 
-    def read_attn(self, stream: AttnResStream) -> torch.Tensor:
-        return self.attn_read.read(stream)
+    def read_attn(self, stream: AttnResStream, norm: nn.Module | None = None) -> torch.Tensor:
+        """h [T, D] of the mixer read; norm(h) when `norm` is given (fused on the no-autograd CPU path)."""
+        return self.attn_read.read(stream, norm)
 
-    def read_ffn(self, stream: AttnResStream) -> torch.Tensor:
-        return self.ffn_read.read(stream)
+    def read_ffn(self, stream: AttnResStream, norm: nn.Module | None = None) -> torch.Tensor:
+        """h [T, D] of the FFN read; norm(h) when `norm` is given."""
+        return self.ffn_read.read(stream, norm)
 
     def end_layer(self, stream: AttnResStream) -> None:
         if (self.layer_idx + 1) % self.block_size == 0:

@@ -6,13 +6,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model import fused_cpu
 from model.activations import situ_glu, situ_glu_gu
 from model.config import OdysseyConfig
-from model.fused_weights import ConcatWeight
+from model.fused_weights import ConcatWeight, small_linear
 
 
 class DenseFFN(nn.Module):
@@ -32,9 +31,9 @@ class DenseFFN(nn.Module):
         """x [..., D] -> [..., D]. Without autograd on fp32 CPU: one [gate | up] matmul and one fused
         SiTU-GLU kernel (same formula)."""
         if fused_cpu.applies(x, self.gate_proj.weight) is not None and x.dim() == 2:
-            return self.down_proj(situ_glu_gu(F.linear(x, self.gate_up_weight())))
+            return small_linear(situ_glu_gu(x @ self.gate_up_weight()), self.down_proj)
         return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x)))
 
     def gate_up_weight(self) -> torch.Tensor:
-        """[W_gate; W_up] [2I, D], detached (no-autograd paths only)."""
+        """[W_gate; W_up]^T [D, 2I], detached (no-autograd paths only)."""
         return self._gate_up(self.gate_proj.weight, self.up_proj.weight)

@@ -270,9 +270,11 @@ Tensor situ_glu_gu(const Tensor& gu) {
 // One AttnRes read (model/attn_res.py `AttnResRead`) over S sources [T, D]:
 //   logits_i = ((query * norm_weight)^T v_i) * r_i,   h = sum_i softmax_i(logits) v_i
 // with r_i = 1 / sqrt(mean(v_i^2) + eps) given for the first inv_rms.size() sources and computed here for the
-// rest. Returns h [T, D] and the computed r_i (a list [T] each), which the stream keeps.
+// rest. With a non-empty out_norm [D], h is returned through that RMSNorm (out_eps): the pre-sublayer norm
+// that always follows a read. Returns h [T, D] and the computed r_i (a list [T] each), which the stream keeps.
 std::vector<Tensor> attn_res_read(const std::vector<Tensor>& sources, const std::vector<Tensor>& inv_rms,
-                                  const Tensor& query, const Tensor& norm_weight, double eps) {
+                                  const Tensor& query, const Tensor& norm_weight, double eps,
+                                  const Tensor& out_norm, double out_eps) {
   const int64_t S = static_cast<int64_t>(sources.size()), m = static_cast<int64_t>(inv_rms.size());
   TORCH_CHECK(S >= 1 && m <= S, "fused_cpu.attn_res_read: needs >= 1 source and at most one r per source");
   check_f32_contiguous(query, "query");
@@ -295,6 +297,10 @@ std::vector<Tensor> attn_res_read(const std::vector<Tensor>& sources, const std:
       R[i] = out.back().data_ptr<float>();
     }
   }
+  const bool normed = out_norm.numel() > 0;
+  if (normed) check_f32_contiguous(out_norm, "out_norm");
+  TORCH_CHECK(!normed || out_norm.numel() == D, "fused_cpu.attn_res_read: out_norm must be [D]");
+  const float* ON = normed ? out_norm.data_ptr<float>() : nullptr;
   std::vector<float> w(D);
   const float *Q = query.data_ptr<float>(), *NW = norm_weight.data_ptr<float>();
   for (int64_t d = 0; d < D; ++d) w[d] = Q[d] * NW[d];
@@ -325,6 +331,14 @@ std::vector<Tensor> attn_res_read(const std::vector<Tensor>& sources, const std:
         const float* v = V[i] + t * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) h[d] += p * v[d];
+      }
+      if (normed) {
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t d = 0; d < D; ++d) ss += h[d] * h[d];
+        const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(out_eps));
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) h[d] = h[d] * r * ON[d];
       }
     }
   });

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import fused_cpu, kda_chunk, kda_fla
-from model.fused_weights import ConcatWeight
+from model.fused_weights import ConcatWeight, small_linear
 from model.kda_chunk import MAX_TILE_LOG_DECAY, TILE
 from model.kda_reference import naive_chunk_kda, naive_recurrent_kda
 from model.norm import RMSNorm
@@ -283,15 +283,15 @@ class KDAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         w_in = self._decode_in_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                                       self.b_proj.weight, self.f_a_proj.weight, self.g_a_proj.weight)
-        proj = F.linear(x, w_in)  # [N, 3HK + H + 2K]
+        proj = x @ w_in  # [N, 3HK + H + 2K]
         fa = 3 * H * K + H
-        zf = F.linear(proj[:, fa:fa + K], self.f_b_proj.weight)
-        zg = F.linear(proj[:, fa + K:fa + 2 * K], self.g_b_proj.weight, self.g_b_proj.bias)
+        zf = small_linear(proj[:, fa:fa + K], self.f_b_proj)
+        zg = small_linear(proj[:, fa + K:fa + 2 * K], self.g_b_proj)
         conv_w = self.conv1d.weight.view(self.conv1d.weight.shape[0], self.conv_size)
         o, conv, S = kernels.kda_decode(proj, zf, zg, conv_w, state.conv.contiguous(), self.dt_bias,
                                         self.A_log, self.g_min, self.o_norm.weight, self.o_norm.eps,
                                         state.recurrent.contiguous())
-        return self.o_proj(o), KDALayerState(S, conv)
+        return small_linear(o, self.o_proj), KDALayerState(S, conv)
 
 
 __all__ = [

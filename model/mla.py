@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import fused_cpu
 from model.config import OdysseyConfig
+from model.fused_weights import ConcatWeight, small_linear
 from model.norm import RMSNorm
 from model.short_conv import seq_lens_from_cu
 
@@ -264,6 +266,7 @@ class GatedMLA(nn.Module):
         self.g_proj = nn.Linear(D, HD, bias=False)  # W_g, per-channel output gate
         self.o_proj = nn.Linear(HD, D, bias=False)
         self.scale = self.head_dim ** -0.5
+        self._decode_in_weight = ConcatWeight()  # [W_q (or W_dq); W_dkv; W_g]: `decode_step_fused`
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> q [T, H, Dh]."""
@@ -361,6 +364,10 @@ class GatedMLA(nn.Module):
         past = MLALatentCache.from_latents(past) if not isinstance(past, MLALatentCache) else past
         if absorb is None:
             absorb = any(past.lens)
+        if absorb and N and all(n == 1 for n in lens):
+            fused = self.decode_step_fused(x, past)
+            if fused is not None:
+                return fused
         present = past.appended(c, lens)
         if absorb and N and all(n == 1 for n in lens):  # decode step: one masked call over the buffer
             width = max(present.lens)
@@ -377,6 +384,31 @@ class GatedMLA(nn.Module):
                 s = e
             o = torch.cat(outs) if outs else q.new_zeros(0, self.num_heads, self.head_dim)
         return self.gated_output(x, o.reshape(T, -1)), present
+
+    def decode_step_fused(
+        self, x: torch.Tensor, past: MLALatentCache
+    ) -> tuple[torch.Tensor, MLALatentCache] | None:
+        """The absorbed decode step (one token per sequence, x [N, D]) with ONE matmul for the q, latent and
+        gate projections and the output projection through a cached transposed weight; the same math as
+        `forward`. None (the caller runs `forward`'s path) unless x and the weights are fp32 on CPU and no
+        gradient is needed."""
+        if fused_cpu.applies(x, self.kv_a_proj.weight, past.buffer) is None:
+            return None
+        N, H, Dh, R = x.shape[0], self.num_heads, self.head_dim, self.kv_lora_rank
+        q_w = self.q_a_proj.weight if self.q_lora_rank > 0 else self.q_proj.weight
+        proj = x @ self._decode_in_weight(q_w, self.kv_a_proj.weight, self.g_proj.weight)
+        nq = q_w.shape[0]
+        q = proj[:, :nq]
+        if self.q_lora_rank > 0:
+            q = small_linear(self.q_a_norm(q), self.q_b_proj)
+        c = self.kv_a_norm(proj[:, nq:nq + R])
+        present = past.appended(c, [1] * N)
+        latents = present.buffer[:, :max(present.lens)]
+        o_lat = latent_decode_attention(self.absorb_query(q.reshape(N, H, Dh)), latents, present.lens_tensor,
+                                        self.scale)
+        o = self.expand_output(o_lat).reshape(N, H * Dh)
+        y = small_linear(torch.sigmoid(proj[:, nq + R:]) * o, self.o_proj)
+        return y, present
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, head_dim={self.head_dim}, "

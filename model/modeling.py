@@ -36,6 +36,7 @@ from model.attn_res import AttnResRead, AttnResStream, BlockAttnRes
 from model.cache import LayerCache, OdysseyCache
 from model.config import OdysseyConfig
 from model.ffn import DenseFFN
+from model.fused_weights import small_linear
 from model.kda import KDAttention, initial_dt_bias
 from model.mla import GatedMLA
 from model.moe import LatentMoE, Router, aggregate_load_metrics
@@ -77,7 +78,11 @@ class OdysseyDecoderLayer(nn.Module):
     def mix(self, h: torch.Tensor, cu_seqlens: torch.Tensor, layer_cache: LayerCache | None,
             keep_cache: bool) -> tuple[torch.Tensor, LayerCache | None]:
         """Mixer sublayer on the AttnRes read h [T, D] -> (a [T, D], new layer cache or None)."""
-        x = self.attn_norm(h)
+        return self.mix_normed(self.attn_norm(h), cu_seqlens, layer_cache, keep_cache)
+
+    def mix_normed(self, x: torch.Tensor, cu_seqlens: torch.Tensor, layer_cache: LayerCache | None,
+                   keep_cache: bool) -> tuple[torch.Tensor, LayerCache | None]:
+        """`mix` after its RMSNorm: x = attn_norm(h) [T, D]."""
         if self.layer_type == "kda":
             a, state = self.mixer(x, cu_seqlens, layer_cache)
             return a, (state if keep_cache else None)
@@ -87,7 +92,11 @@ class OdysseyDecoderLayer(nn.Module):
 
     def ffn(self, h: torch.Tensor, replay: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """FFN sublayer on the AttnRes read h [T, D] -> (f [T, D], topk_idx [T, k] | None)."""
-        x = self.ffn_norm(h)
+        return self.ffn_normed(self.ffn_norm(h), replay)
+
+    def ffn_normed(self, x: torch.Tensor, replay: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`ffn` after its RMSNorm: x = ffn_norm(h) [T, D]."""
         if self.is_moe:
             return self.mlp(x, replay)
         return self.mlp(x), None
@@ -96,9 +105,11 @@ class OdysseyDecoderLayer(nn.Module):
                 keep_cache: bool = False, replay: torch.Tensor | None = None,
                 ) -> tuple[LayerCache | None, torch.Tensor | None]:
         """Advance the AttnRes stream by this layer. Returns (new layer cache | None, topk_idx | None)."""
-        a, new_cache = self.mix(self.attn_res.read_attn(stream), cu_seqlens, layer_cache, keep_cache)
+        # each read comes with its sublayer's RMSNorm (one fused call without autograd on CPU)
+        x = self.attn_res.read_attn(stream, self.attn_norm)
+        a, new_cache = self.mix_normed(x, cu_seqlens, layer_cache, keep_cache)
         stream.add(a)
-        f, topk = self.ffn(self.attn_res.read_ffn(stream), replay)
+        f, topk = self.ffn_normed(self.attn_res.read_ffn(stream, self.ffn_norm), replay)
         stream.add(f)
         self.attn_res.end_layer(stream)
         return new_cache, topk
@@ -227,6 +238,14 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_head(h) for the few positions a decode step samples from, h [n, D] -> [n, V]: without autograd
+        through a cached transposed head weight (about twice as fast for a few rows), else lm_head(h)."""
+        grad = torch.is_grad_enabled() and (h.requires_grad or self.lm_head.weight.requires_grad)
+        if h.dim() == 2 and not grad:
+            return small_linear(h, self.lm_head)
+        return self.lm_head(h)
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.embed_tokens = value

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from model import fused_cpu
 from model.activations import situ_glu, situ_glu_gu
@@ -41,7 +40,7 @@ from model.balancing import (
 )
 from model.expert_load import ExpertLoadTracker
 from model.ffn import DenseFFN
-from model.fused_weights import ConcatWeight
+from model.fused_weights import ConcatWeight, small_linear
 from model.norm import RMSNorm
 
 # Up to this many (token, expert) pairs per expert on average, the no-autograd fp32 CPU path runs the
@@ -256,7 +255,7 @@ class LatentMoE(nn.Module):
         w_in = self._small_in_weight(self.router.weight, self.latent_down.weight,
                                      *[w for s in self.shared_experts for w in (s.gate_proj.weight,
                                                                                 s.up_proj.weight)])
-        proj = F.linear(x, w_in)  # [T, n + L + sum of 2 I_shared]
+        proj = x @ w_in  # [T, n + L + sum of 2 I_shared]
         forced = torch.empty(0, dtype=torch.long) if replay_experts is None else \
             self.router._check_replay(replay_experts, T).contiguous()
         scores, idx, p = kernels.moe_route(proj[:, :n].contiguous(), self.router.e_score_correction_bias,
@@ -264,11 +263,11 @@ class LatentMoE(nn.Module):
         self._observe(scores, idx, p)
         z = proj[:, n:n + L].contiguous()
         routed = kernels.moe_experts(z, idx, p, self.w_gate_up, self.w_down_experts)
-        y = self.latent_up(self.latent_norm(routed))
+        y = small_linear(self.latent_norm(routed), self.latent_up)
         off = n + L
         for shared in self.shared_experts:
             width = 2 * shared.gate_proj.weight.shape[0]
-            y = y + shared.down_proj(kernels.situ_glu_gu(proj[:, off:off + width].contiguous()))
+            y = y + small_linear(kernels.situ_glu_gu(proj[:, off:off + width].contiguous()), shared.down_proj)
             off += width
         return y, idx
 

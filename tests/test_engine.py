@@ -181,7 +181,7 @@ def test_chunked_prefill_equals_one_pass_and_stays_chunked(model, monkeypatch):
     one = TorchEngine(model, prefill_chunk_size=4096).generate([req])[0]
     seen_tokens, head_rows = [], []
     orig_backbone = model.model.forward
-    orig_head = model.lm_head.forward
+    orig_head = model.head_logits
 
     def spy_backbone(input_ids, *a, **k):
         seen_tokens.append(input_ids.shape[0])
@@ -192,7 +192,7 @@ def test_chunked_prefill_equals_one_pass_and_stays_chunked(model, monkeypatch):
         return orig_head(h)
 
     monkeypatch.setattr(model.model, "forward", spy_backbone)
-    monkeypatch.setattr(model.lm_head, "forward", spy_head)
+    monkeypatch.setattr(model, "head_logits", spy_head)
     chunked = TorchEngine(model, prefill_chunk_size=64).generate([req])[0]
     monkeypatch.undo()
     assert max(seen_tokens) <= 64 and len(seen_tokens) >= 300 // 64

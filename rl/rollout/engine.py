@@ -490,10 +490,10 @@ def _packed_forward(
     so a prefill chunk never builds [T, vocab]. Returns (logits, routed [T, n_moe, k] | None, new cache).
     """
     backbone = getattr(model, "model", None)
-    if backbone is None or not hasattr(model, "lm_head"):  # not an OdysseyForCausalLM: full forward
+    if backbone is None or not hasattr(model, "head_logits"):  # not an OdysseyForCausalLM: full forward
         out = model(input_ids, cu_seqlens=cu_seqlens, cache=cache, return_routed_experts=moe)
         return out.logits[logit_index].float(), (out.routed_experts if moe else None), out.cache
     h, new_layers, routed, _ = backbone(input_ids, cu_seqlens, cache, None, moe)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    logits = model.lm_head(h[logit_index]).float()
+    logits = model.head_logits(h[logit_index]).float()
     return logits, routed, cache.advanced(new_layers, lens)
