@@ -32,11 +32,12 @@ inline void gemv(const float* W, const float* x, float* y, int64_t rows, int64_t
   }
 }
 
-// ---- vectorisable elementwise math (plain float / int arithmetic, no libm calls, so `omp simd` loops vectorise)
+// ---- vectorisable elementwise math (plain float / int arithmetic, no libm calls, so `omp simd` loops vectorise;
+// selects are ternaries on values or 0/1 blends, never std::min/max or branches, which GCC will not if-convert)
 // e^x to ~2 ulp for x in [-87, 88] (clamped outside): Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, then the
 // degree-7 Taylor polynomial of e^r and 2^n written into the exponent bits.
 inline float exp_f(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
   const float y = x * 1.44269504f + 0.5f;
   int32_t n = static_cast<int32_t>(y);
   n -= static_cast<int32_t>(y < static_cast<float>(n));  // floor
@@ -67,16 +68,18 @@ inline float expm1_f(float x) {
   p = p * x + 1.6666667e-1f;
   p = p * x + 0.5f;
   p = p * x * x + x;
-  return std::fabs(x) < 0.5f ? p : exp_f(x) - 1.0f;
+  const float big = exp_f(x) - 1.0f;
+  const float small = static_cast<float>(std::fabs(x) < 0.5f);
+  return small * p + (1.0f - small) * big;
 }
 
 inline float sigmoid_f(float x) { return 1.0f / (1.0f + exp_f(-x)); }
 
 // tanh(x) = -expm1(-2|x|) / (2 + expm1(-2|x|)), sign restored; accurate near 0 (no 1 - 2/(e^2x + 1) cancellation).
 inline float tanh_f(float x) {
-  const float e = expm1_f(-2.0f * std::min(std::fabs(x), 9.0f));
-  const float t = -e / (2.0f + e);
-  return x < 0.0f ? -t : t;
+  const float a = std::fabs(x);
+  const float e = expm1_f(-2.0f * (a > 9.0f ? 9.0f : a));
+  return std::copysign(-e / (2.0f + e), x);
 }
 
 // SiTU-GLU (model/activations.py): 4 tanh(g / 4) sigmoid(g) * 25 tanh(u / 25).
@@ -179,23 +182,32 @@ std::vector<Tensor> kda_decode(const Tensor& proj, const Tensor& zf, const Tenso
   float *O = o.data_ptr<float>(), *CN = conv_new.data_ptr<float>(), *S1 = S_new.data_ptr<float>();
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(K)), gm = static_cast<float>(g_min);
   at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(K), k(K), v(V), decay(K);
+    std::vector<float> q(K), k(K), v(V), decay(K), delta(V);
     for (int64_t nh = begin; nh < end; ++nh) {
       const int64_t n = nh / H, h = nh % H;
-      // short conv (the last W-1 inputs + this token) and SiLU, for the head's q, k, v channels
+      // short conv (the last W-1 inputs + this token) and SiLU, for the head's q, k, v channels: the taps
+      // in the outer loop, channels in the inner (vectorised) one
       auto conv = [&](int64_t c0, int64_t width, float* out) {
-        for (int64_t d = 0; d < width; ++d) {
-          const int64_t c = c0 + d;
-          const float* st = CS + (n * C + c) * (W - 1);
-          const float* w = CW + c * W;
-          const float x = X[n * P + c];
-          float y = w[W - 1] * x;
-          for (int64_t i = 0; i < W - 1; ++i) y += w[i] * st[i];
-          float* sn = CN + (n * C + c) * (W - 1);
-          for (int64_t i = 0; i + 1 < W - 1; ++i) sn[i] = st[i + 1];
-          if (W > 1) sn[W - 2] = x;
-          out[d] = y * sigmoid_f(y);
+        const float* x = X + n * P + c0;
+        const float* st = CS + (n * C + c0) * (W - 1);
+        const float* w = CW + c0 * W;
+        float* sn = CN + (n * C + c0) * (W - 1);
+#pragma omp simd
+        for (int64_t d = 0; d < width; ++d) out[d] = w[d * W + W - 1] * x[d];
+        for (int64_t i = 0; i < W - 1; ++i) {
+#pragma omp simd
+          for (int64_t d = 0; d < width; ++d) out[d] += w[d * W + i] * st[d * (W - 1) + i];
         }
+        for (int64_t i = 0; i + 1 < W - 1; ++i) {
+#pragma omp simd
+          for (int64_t d = 0; d < width; ++d) sn[d * (W - 1) + i] = st[d * (W - 1) + i + 1];
+        }
+        if (W > 1) {
+#pragma omp simd
+          for (int64_t d = 0; d < width; ++d) sn[d * (W - 1) + W - 2] = x[d];
+        }
+#pragma omp simd
+        for (int64_t d = 0; d < width; ++d) out[d] *= sigmoid_f(out[d]);
       };
       conv(h * K, K, q.data());
       conv(H * K + h * K, K, k.data());
@@ -212,12 +224,13 @@ std::vector<Tensor> kda_decode(const Tensor& proj, const Tensor& zf, const Tenso
       }
       const float beta = sigmoid_f(X[n * P + 3 * H * K + h]);
       const float a = std::exp(AL[h]);
-      for (int64_t d = 0; d < K; ++d)
-        decay[d] = exp_f(gm * sigmoid_f(a * (ZF[n * H * K + h * K + d] + DT[h * K + d])));
+      const float *zf_nh = ZF + n * H * K + h * K, *dt_h = DT + h * K;
+#pragma omp simd
+      for (int64_t d = 0; d < K; ++d) decay[d] = exp_f(gm * sigmoid_f(a * (zf_nh[d] + dt_h[d])));
       // S' = Diag(decay) S; delta = v - S'^T k; S_new = S' + beta k delta^T; o = S_new^T q
       const float* s0 = S0 + nh * K * V;
       float* s1 = S1 + nh * K * V;
-      std::vector<float> delta(v);
+      std::copy(v.begin(), v.end(), delta.begin());
       for (int64_t d = 0; d < K; ++d) {
         const float* row = s0 + d * V;
         float* out = s1 + d * V;
@@ -243,6 +256,7 @@ std::vector<Tensor> kda_decode(const Tensor& proj, const Tensor& zf, const Tenso
       for (int64_t j = 0; j < V; ++j) ss += o_nh[j] * o_nh[j];
       const float r = 1.0f / std::sqrt(ss / static_cast<float>(V) + static_cast<float>(eps));
       const float* zg_nh = ZG + n * H * V + h * V;
+#pragma omp simd
       for (int64_t j = 0; j < V; ++j) o_nh[j] = sigmoid_f(zg_nh[j]) * (o_nh[j] * r * NW[j]);
     }
   });
