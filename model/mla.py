@@ -391,7 +391,9 @@ class GatedMLA(nn.Module):
         """The absorbed decode step (one token per sequence, x [N, D]) with ONE matmul for the q, latent and
         gate projections and the output projection through a cached transposed weight; the same math as
         `forward`. None (the caller runs `forward`'s path) unless x and the weights are fp32 on CPU and no
-        gradient is needed."""
+        gradient is needed, or if there is no cached latent to attend to."""
+        if not isinstance(past, MLALatentCache) or not any(past.lens):
+            return None
         if fused_cpu.applies(x, self.kv_a_proj.weight, past.buffer) is None:
             return None
         N, H, Dh, R = x.shape[0], self.num_heads, self.head_dim, self.kv_lora_rank
