@@ -1,10 +1,20 @@
 // Fused CPU (fp32) kernels for the no-autograd small-batch paths of the model: decoding and short prefills,
-// where a step's cost is the number of tiny torch ops, not arithmetic.
+// where a step's cost is the number of tiny torch ops, not arithmetic. Each kernel does one sublayer's work
+// between its input matmul and its output matmul (both stay MKL matmuls in model/):
 //
-//   moe_experts: the routed part of LatentMoE, sum_j p_tj E_{e_tj}(z_t), for a few tokens, reading the stacked
-//                expert weights in place (model/moe.py `LatentMoE.dispatch` is the reference and the autograd path).
+//   kda_decode     KDA decode step: short conv, SiLU, L2 norms, gate (with its rank-K up-projection), beta,
+//                  recurrence (1), head RMSNorm, output gate (with its rank-K up-projection)   model/kda.py
+//   mla_decode     absorbed MLA decode step: latent RMSNorm, q~ = W_uk^T q, softmax over the cached latents and
+//                  the new one, W_uv o~, output gate                                            model/mla.py
+//   moe_small      LatentMoE for a few tokens: router (sigmoid, top-k of s + b, weights), the chosen experts
+//                  (reading their stacked weights in place), the latent RMSNorm, the shared experts' SiTU-GLU
+//                                                                                               model/moe.py
+//   moe_route      the router alone (tested against model/moe.py `Router`)
+//   situ_glu_gu    SiTU-GLU of a [gate | up] projection                                         model/activations.py
+//   attn_res_read  one Block AttnRes read, optionally with the RMSNorm after it                 model/attn_res.py
 //
-// Loaded by model/fused_cpu.py; tests compare each kernel with its torch reference.
+// The torch code next to each caller is the reference (and the autograd path); tests/ compare them. Loaded by
+// model/fused_cpu.py.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -85,104 +95,198 @@ inline float tanh_f(float x) {
 // SiTU-GLU (model/activations.py): 4 tanh(g / 4) sigmoid(g) * 25 tanh(u / 25).
 inline float situ_glu(float g, float u) { return 4.f * tanh_f(g * 0.25f) * sigmoid_f(g) * (25.f * tanh_f(u * 0.04f)); }
 
+
+// Rows of a 2-D fp32 CPU tensor with unit column stride (e.g. a column slice of a projection).
+struct Rows {
+  const float* data;
+  int64_t stride;
+  const float* row(int64_t i) const { return data + i * stride; }
+};
+
+Rows rows_of(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1,
+              "fused_cpu: ", name, " must be a 2-D fp32 CPU tensor with contiguous rows");
+  return {t.data_ptr<float>(), t.stride(0)};
+}
+
+// x * rsqrt(mean(x^2) + eps) * w over n values, into out (out may alias x).
+inline void rms_norm_row(const float* x, const float* w, float eps, float* out, int64_t n) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
+// LatentMoE's router for one token: s = sigmoid(logits); the chosen experts (topk(s + b, k), descending, ties to the
+// lower id, or the given forced ones); p = rsf s_idx / sum s_idx.
+inline void route_row(const float* logits, const float* bias, int64_t n, int64_t k, float rsf, const int64_t* forced,
+                      float* s, int64_t* idx, float* p) {
+  for (int64_t j = 0; j < n; ++j) s[j] = 1.0f / (1.0f + std::exp(-logits[j]));
+  if (forced != nullptr) {
+    std::copy(forced, forced + k, idx);
+  } else {
+    for (int64_t j = 0; j < k; ++j) {  // k passes of argmax over the experts not taken yet (k is small)
+      int64_t best = -1;
+      float bv = -INFINITY;
+      for (int64_t e = 0; e < n; ++e) {
+        bool taken = false;
+        for (int64_t q = 0; q < j; ++q) taken |= idx[q] == e;
+        const float v = s[e] + bias[e];
+        if (!taken && (best < 0 || v > bv)) best = e, bv = v;
+      }
+      idx[j] = best;
+    }
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < k; ++j) sum += s[idx[j]];
+  for (int64_t j = 0; j < k; ++j) p[j] = s[idx[j]] / sum * rsf;
+}
+
 }  // namespace
 
-// The routed experts of LatentMoE for a small batch:
-//   z [T, L] latent tokens, idx [T, k] int64 expert ids, p [T, k] mixing weights,
-//   w_gate_up [n, 2I, L] (gate rows first), w_down [n, L, I]
-// out[t] = sum_j p[t, j] W2_e situ_glu(W1_e z_t, W3_e z_t), e = idx[t, j]. Pairs are processed grouped by expert
-// (so an expert's weights are read once per group, from cache), in parallel; only the chosen experts' weights are
-// read. Returns out [T, L].
-Tensor moe_experts(const Tensor& z, const Tensor& idx, const Tensor& p, const Tensor& w_gate_up,
-                   const Tensor& w_down) {
-  check_f32_contiguous(z, "z");
-  check_f32_contiguous(p, "p");
-  check_f32_contiguous(w_gate_up, "w_gate_up");
-  check_f32_contiguous(w_down, "w_down");
-  TORCH_CHECK(idx.device().is_cpu() && idx.scalar_type() == at::kLong && idx.is_contiguous(),
-              "fused_cpu: idx must be a contiguous int64 CPU tensor");
-  const int64_t T = z.size(0), L = z.size(1), k = idx.size(1), n = w_gate_up.size(0);
-  const int64_t I = w_gate_up.size(1) / 2;
-  TORCH_CHECK(w_gate_up.size(2) == L && w_down.size(0) == n && w_down.size(1) == L && w_down.size(2) == I,
-              "fused_cpu: expert weight shapes do not match z");
-  TORCH_CHECK(p.size(0) == T && p.size(1) == k && idx.size(0) == T, "fused_cpu: idx / p must be [T, k]");
-  const int64_t* E = idx.data_ptr<int64_t>();
-  // pairs sorted by expert (counting sort), so that each thread walks its experts' tokens consecutively
+// LatentMoE's router for a few tokens (model/moe.py `Router`): logits [T, n] = W_r x (fp32), bias b [n]:
+//   s = sigmoid(logits), idx = topk(s + b, k) or the replayed `forced` [T, k] (int64; empty = free choice),
+//   p = rsf s_idx / sum s_idx. Returns s [T, n], idx [T, k] int64, p [T, k].
+std::vector<Tensor> moe_route(const Tensor& logits, const Tensor& bias, const Tensor& forced, int64_t k,
+                              double rsf) {
+  const Rows L = rows_of(logits, "logits");
+  check_f32_contiguous(bias, "bias");
+  const int64_t T = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= n && bias.numel() == n, "fused_cpu.moe_route: need 1 <= k <= n and b [n]");
+  const bool replay = forced.numel() > 0;
+  TORCH_CHECK(!replay || (forced.scalar_type() == at::kLong && forced.is_contiguous() && forced.size(0) == T &&
+                          forced.size(1) == k),
+              "fused_cpu.moe_route: forced experts must be a contiguous int64 [T, k]");
+  Tensor s = at::empty({T, n}, logits.options()), p = at::empty({T, k}, logits.options());
+  Tensor idx = at::empty({T, k}, logits.options().dtype(at::kLong));
+  const int64_t* F = replay ? forced.data_ptr<int64_t>() : nullptr;
+  for (int64_t t = 0; t < T; ++t)
+    route_row(L.row(t), bias.data_ptr<float>(), n, k, static_cast<float>(rsf), F ? F + t * k : nullptr,
+              s.data_ptr<float>() + t * n, idx.data_ptr<int64_t>() + t * k, p.data_ptr<float>() + t * k);
+  return {s, idx, p};
+}
+
+// LatentMoE for a few tokens (model/moe.py `LatentMoE.forward_small`), between its two matmuls:
+//   proj [T, P]: columns [router logits (n) | z = W_down x (L) | shared expert s: [gate | up] (2 I_s) ...]
+//   bias [n], forced [T, k] int64 or empty, w_gate_up [n, 2I, L], w_down [n, L, I], latent_norm [L], shared [I_s]
+// Returns out [T, L + sum I_s] = [RMSNorm(sum_j p_j E_{e_j}(z)) | situ_glu(shared 1) | ...] (so that ONE matmul
+// with [W_up | W_down,1 | ...] gives y), and the router's s [T, n], idx [T, k], p [T, k]. The (token, expert)
+// pairs run grouped by expert (each expert's weights read once per group, from cache), in parallel; only the
+// chosen experts' weights are read.
+std::vector<Tensor> moe_small(const Tensor& proj, const Tensor& bias, const Tensor& forced, int64_t k, double rsf,
+                              const Tensor& w_gate_up, const Tensor& w_down, const Tensor& latent_norm,
+                              double latent_eps, const std::vector<int64_t>& shared) {
+  const Rows X = rows_of(proj, "proj");
+  for (auto [t, name] : {std::pair{&bias, "bias"}, {&w_gate_up, "w_gate_up"}, {&w_down, "w_down"},
+                         {&latent_norm, "latent_norm"}})
+    check_f32_contiguous(*t, name);
+  const int64_t T = proj.size(0), n = w_gate_up.size(0), I = w_gate_up.size(1) / 2, L = w_gate_up.size(2);
+  int64_t shared_total = 0, shared_cols = 0;
+  for (int64_t w : shared) shared_total += w, shared_cols += 2 * w;
+  TORCH_CHECK(proj.size(1) >= n + L + shared_cols && w_down.size(0) == n && w_down.size(1) == L &&
+                  w_down.size(2) == I && bias.numel() == n && latent_norm.numel() == L && k >= 1 && k <= n,
+              "fused_cpu.moe_small: shapes do not match");
+  const bool replay = forced.numel() > 0;
+  TORCH_CHECK(!replay || (forced.scalar_type() == at::kLong && forced.is_contiguous() && forced.size(0) == T &&
+                          forced.size(1) == k),
+              "fused_cpu.moe_small: forced experts must be a contiguous int64 [T, k]");
+  Tensor s = at::empty({T, n}, proj.options()), p = at::empty({T, k}, proj.options());
+  Tensor idx = at::empty({T, k}, proj.options().dtype(at::kLong));
+  Tensor out = at::empty({T, L + shared_total}, proj.options());
+  float *S = s.data_ptr<float>(), *Pw = p.data_ptr<float>(), *O = out.data_ptr<float>();
+  int64_t* E = idx.data_ptr<int64_t>();
+  const int64_t* F = replay ? forced.data_ptr<int64_t>() : nullptr;
+  for (int64_t t = 0; t < T; ++t)
+    route_row(X.row(t), bias.data_ptr<float>(), n, k, static_cast<float>(rsf), F ? F + t * k : nullptr, S + t * n,
+              E + t * k, Pw + t * k);
+  for (int64_t i = 0; i < T * k; ++i) TORCH_CHECK(E[i] >= 0 && E[i] < n, "fused_cpu.moe_small: expert id out of range");
+  // pairs sorted by expert (counting sort)
   std::vector<int64_t> start(n + 1, 0), order(T * k);
-  for (int64_t i = 0; i < T * k; ++i) {
-    TORCH_CHECK(E[i] >= 0 && E[i] < n, "fused_cpu: expert id out of range");
-    ++start[E[i] + 1];
-  }
+  for (int64_t i = 0; i < T * k; ++i) ++start[E[i] + 1];
   for (int64_t e = 0; e < n; ++e) start[e + 1] += start[e];
   {
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
     for (int64_t i = 0; i < T * k; ++i) order[fill[E[i]]++] = i;
   }
-  Tensor y = at::empty({T * k, L}, z.options());  // per pair, summed per token below (no write races)
-  const float *Z = z.data_ptr<float>(), *P = p.data_ptr<float>();
+  std::vector<float> Y(T * k * L);  // per pair, summed per token below (no write races)
   const float *W1 = w_gate_up.data_ptr<float>(), *W2 = w_down.data_ptr<float>();
-  float* Y = y.data_ptr<float>();
   at::parallel_for(0, T * k, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> h(2 * I), a(I);
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t pair = order[s], t = pair / k, e = E[pair];
-      gemv(W1 + e * 2 * I * L, Z + t * L, h.data(), 2 * I, L);
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t pair = order[q], t = pair / k, e = E[pair];
+      gemv(W1 + e * 2 * I * L, X.row(t) + n, h.data(), 2 * I, L);
       const float* hp = h.data();
       float* ap = a.data();
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) ap[i] = situ_glu(hp[i], hp[I + i]);
-      float* yp = Y + pair * L;
+      float* yp = Y.data() + pair * L;
       gemv(W2 + e * L * I, a.data(), yp, L, I);
-      const float w = P[pair];
+      const float w = Pw[pair];
 #pragma omp simd
       for (int64_t l = 0; l < L; ++l) yp[l] *= w;
     }
   });
-  Tensor out = at::empty({T, L}, z.options());
-  float* O = out.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    float* o = O + t * L;
-    std::copy(Y + t * k * L, Y + (t * k + 1) * L, o);
-    for (int64_t j = 1; j < k; ++j) {
-      const float* yp = Y + (t * k + j) * L;
+  const float* NW = latent_norm.data_ptr<float>();
+  const int64_t W = L + shared_total;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* o = O + t * W;
+      std::copy(Y.data() + t * k * L, Y.data() + (t * k + 1) * L, o);
+      for (int64_t j = 1; j < k; ++j) {
+        const float* yp = Y.data() + (t * k + j) * L;
 #pragma omp simd
-      for (int64_t l = 0; l < L; ++l) o[l] += yp[l];
+        for (int64_t l = 0; l < L; ++l) o[l] += yp[l];
+      }
+      rms_norm_row(o, NW, static_cast<float>(latent_eps), o, L);
+      const float* gu = X.row(t) + n + L;
+      float* os = o + L;
+      for (int64_t Is : shared) {
+#pragma omp simd
+        for (int64_t i = 0; i < Is; ++i) os[i] = situ_glu(gu[i], gu[Is + i]);
+        gu += 2 * Is;
+        os += Is;
+      }
     }
-  }
-  return out;
+  });
+  return {out, s, idx, p};
 }
 
 // One decode step of a KDA layer (model/kda.py `KDAttention`, one new token for each of N sequences), from the
 // token's projections to the gated, normalised output, in one pass per (sequence, head):
-//   proj [N, P]   input projections, columns [q (H K) | k (H K) | v (H V) | beta logit (H) | anything], P >= 3HK + H
-//   zf [N, H K]   W_fb W_fa x (the gate pre-activation before dt_bias); zg [N, H V] W_gb W_ga x + b_gb
+//   proj [N, P]   input projections, columns [q (H K) | k (H K) | v (H V) | beta logit (H) | W_fa x (K) | W_ga x (K)]
+//   f_b [H K, K], g_b [H V, K], g_b_bias [H V]: the rank-K up-projections of the decay gate and the output gate
 //   conv_w [C, W], conv_state [N, C, W-1] (C = 2 H K + H V, oldest first); dt_bias [H K]; A_log [H]
 //   o_norm_w [V], state [N, H, K, V] (S of recurrence (1))
 // Per head: short conv + SiLU of q, k, v; q, k L2-normalised (eps 1e-6), q scaled by K^-1/2; beta = sigmoid;
-// g = g_min sigmoid(e^{A_h} (zf + dt_bias)); S' = Diag(e^g) S, S_new = S' + beta k (v - S'^T k)^T, o = S_new^T q;
-// o = sigmoid(zg) * RMSNorm(o) (weight o_norm_w, eps). Returns o [N, H V], the new conv state, the new state
+// g = g_min sigmoid(e^{A_h} (W_fb W_fa x + dt_bias)); S' = Diag(e^g) S, S_new = S' + beta k (v - S'^T k)^T,
+// o = S_new^T q; o = sigmoid(W_gb W_ga x + b_gb) * RMSNorm(o) (weight o_norm_w, eps). Returns o [N, H V], the new conv state, the new state
 // (new tensors: the given cache is not modified).
-std::vector<Tensor> kda_decode(const Tensor& proj, const Tensor& zf, const Tensor& zg, const Tensor& conv_w,
-                               const Tensor& conv_state, const Tensor& dt_bias, const Tensor& A_log, double g_min,
-                               const Tensor& o_norm_w, double eps, const Tensor& state) {
-  for (auto [t, name] : {std::pair{&proj, "proj"}, {&zf, "zf"}, {&zg, "zg"}, {&conv_w, "conv_w"},
+std::vector<Tensor> kda_decode(const Tensor& proj, const Tensor& f_b, const Tensor& g_b, const Tensor& g_b_bias,
+                               const Tensor& conv_w, const Tensor& conv_state, const Tensor& dt_bias,
+                               const Tensor& A_log, double g_min, const Tensor& o_norm_w, double eps,
+                               const Tensor& state) {
+  for (auto [t, name] : {std::pair{&proj, "proj"}, {&f_b, "f_b"}, {&g_b, "g_b"}, {&g_b_bias, "g_b_bias"}, {&conv_w, "conv_w"},
                          {&conv_state, "conv_state"}, {&dt_bias, "dt_bias"}, {&A_log, "A_log"},
                          {&o_norm_w, "o_norm_w"}, {&state, "state"}})
     check_f32_contiguous(*t, name);
   const int64_t N = state.size(0), H = state.size(1), K = state.size(2), V = state.size(3);
   const int64_t C = conv_w.size(0), W = conv_w.size(1), P = proj.size(1);
   TORCH_CHECK(C == 2 * H * K + H * V && conv_state.size(0) == N && conv_state.size(1) == C &&
-                  conv_state.size(2) == W - 1 && proj.size(0) == N && P >= 3 * H * K + H,
+                  conv_state.size(2) == W - 1 && proj.size(0) == N && P >= 3 * H * K + H + 2 * K &&
+                  f_b.size(0) == H * K && f_b.size(1) == K && g_b.size(0) == H * V && g_b.size(1) == K,
               "fused_cpu.kda_decode: shapes do not match the state [N, H, K, V]");
   Tensor o = at::empty({N, H * V}, proj.options());
   Tensor conv_new = at::empty_like(conv_state), S_new = at::empty_like(state);
-  const float *X = proj.data_ptr<float>(), *ZF = zf.data_ptr<float>(), *ZG = zg.data_ptr<float>();
+  const float *X = proj.data_ptr<float>(), *FB = f_b.data_ptr<float>(), *GB = g_b.data_ptr<float>();
+  const float* GBB = g_b_bias.data_ptr<float>();
   const float *CW = conv_w.data_ptr<float>(), *CS = conv_state.data_ptr<float>(), *DT = dt_bias.data_ptr<float>();
   const float *AL = A_log.data_ptr<float>(), *NW = o_norm_w.data_ptr<float>(), *S0 = state.data_ptr<float>();
   float *O = o.data_ptr<float>(), *CN = conv_new.data_ptr<float>(), *S1 = S_new.data_ptr<float>();
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(K)), gm = static_cast<float>(g_min);
   at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(K), k(K), v(V), decay(K), delta(V);
+    std::vector<float> q(K), k(K), v(V), decay(K), delta(V), zf(K), zg(V);
     for (int64_t nh = begin; nh < end; ++nh) {
       const int64_t n = nh / H, h = nh % H;
       // short conv (the last W-1 inputs + this token) and SiLU, for the head's q, k, v channels: the taps
@@ -224,7 +328,10 @@ std::vector<Tensor> kda_decode(const Tensor& proj, const Tensor& zf, const Tenso
       }
       const float beta = sigmoid_f(X[n * P + 3 * H * K + h]);
       const float a = std::exp(AL[h]);
-      const float *zf_nh = ZF + n * H * K + h * K, *dt_h = DT + h * K;
+      const float *fa = X + n * P + 3 * H * K + H, *ga = fa + K, *dt_h = DT + h * K;
+      gemv(FB + h * K * K, fa, zf.data(), K, K);  // this head's rows of W_fb W_fa x
+      gemv(GB + h * V * K, ga, zg.data(), V, K);  // and of W_gb W_ga x
+      const float* zf_nh = zf.data();
 #pragma omp simd
       for (int64_t d = 0; d < K; ++d) decay[d] = exp_f(gm * sigmoid_f(a * (zf_nh[d] + dt_h[d])));
       // S' = Diag(decay) S; delta = v - S'^T k; S_new = S' + beta k delta^T; o = S_new^T q
@@ -255,12 +362,85 @@ std::vector<Tensor> kda_decode(const Tensor& proj, const Tensor& zf, const Tenso
       float ss = 0.f;
       for (int64_t j = 0; j < V; ++j) ss += o_nh[j] * o_nh[j];
       const float r = 1.0f / std::sqrt(ss / static_cast<float>(V) + static_cast<float>(eps));
-      const float* zg_nh = ZG + n * H * V + h * V;
+      const float *zg_nh = zg.data(), *gbb = GBB + h * V;
 #pragma omp simd
-      for (int64_t j = 0; j < V; ++j) o_nh[j] = sigmoid_f(zg_nh[j]) * (o_nh[j] * r * NW[j]);
+      for (int64_t j = 0; j < V; ++j) o_nh[j] = sigmoid_f(zg_nh[j] + gbb[j]) * (o_nh[j] * r * NW[j]);
     }
   });
   return {o, conv_new, S_new};
+}
+
+// One absorbed MLA decode step (model/mla.py `GatedMLA.decode_step_fused`), one new token per sequence:
+//   q [N, H Dh], c_raw [N, R] = W_dkv x, g [N, H Dh] = W_g x (row-strided views of the input projection)
+//   kv_norm [R], w_uk, w_uv [H Dh, R] (k_b_proj / v_b_proj weights), latents [N, cap, R], lens: latents cached
+//   per row (the new one is not in the buffer yet)
+// c = RMSNorm(c_raw); per head q~ = W_uk,h^T q_h, scores q~ . c_j * scale over the lens[n] cached latents and c,
+// softmax, o~ = sum_j p_j c_j, o_h = W_uv,h o~; o = sigmoid(g) * o. Returns o [N, H Dh] and c [N, R] (which the
+// caller appends to the cache).
+std::vector<Tensor> mla_decode(const Tensor& q, const Tensor& c_raw, const Tensor& g, const Tensor& kv_norm,
+                               double eps, const Tensor& w_uk, const Tensor& w_uv, const Tensor& latents,
+                               const std::vector<int64_t>& lens, int64_t H, double scale) {
+  const Rows Q = rows_of(q, "q"), Craw = rows_of(c_raw, "c_raw"), G = rows_of(g, "g");
+  for (auto [t, name] : {std::pair{&kv_norm, "kv_norm"}, {&w_uk, "w_uk"}, {&w_uv, "w_uv"}, {&latents, "latents"}})
+    check_f32_contiguous(*t, name);
+  const int64_t N = q.size(0), HD = q.size(1), R = kv_norm.numel(), cap = latents.size(1), Dh = HD / H;
+  TORCH_CHECK(H >= 1 && Dh * H == HD && w_uk.size(0) == HD && w_uk.size(1) == R && w_uv.size(0) == HD &&
+                  w_uv.size(1) == R && latents.size(0) == N && latents.size(2) == R &&
+                  static_cast<int64_t>(lens.size()) == N && c_raw.size(1) == R && g.size(1) == HD &&
+                  c_raw.size(0) == N && g.size(0) == N,
+              "fused_cpu.mla_decode: shapes do not match");
+  int64_t longest = 0;
+  for (int64_t l : lens) {
+    TORCH_CHECK(l >= 0 && l <= cap, "fused_cpu.mla_decode: lens beyond the buffer");
+    longest = std::max(longest, l);
+  }
+  Tensor o = at::empty({N, HD}, q.options()), c = at::empty({N, R}, q.options());
+  const float *NW = kv_norm.data_ptr<float>(), *WK = w_uk.data_ptr<float>(), *WV = w_uv.data_ptr<float>();
+  const float* LAT = latents.data_ptr<float>();
+  float *O = o.data_ptr<float>(), *Cn = c.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) rms_norm_row(Craw.row(n), NW, static_cast<float>(eps), Cn + n * R, R);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> ql(R), ol(R), p(longest + 1);
+    for (int64_t nh = begin; nh < end; ++nh) {
+      const int64_t n = nh / H, h = nh % H, len = lens[n];
+      const float* qh = Q.row(n) + h * Dh;
+      std::fill(ql.begin(), ql.end(), 0.f);
+      float* qlp = ql.data();
+      for (int64_t d = 0; d < Dh; ++d) {  // q~ = W_uk,h^T q_h
+        const float* w = WK + (h * Dh + d) * R;
+        const float qd = qh[d];
+#pragma omp simd
+        for (int64_t r = 0; r < R; ++r) qlp[r] += qd * w[r];
+      }
+      auto latent = [&](int64_t j) { return j < len ? LAT + (n * cap + j) * R : Cn + n * R; };
+      float mx = -INFINITY;
+      for (int64_t j = 0; j <= len; ++j) {
+        const float* cj = latent(j);
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t r = 0; r < R; ++r) dot += qlp[r] * cj[r];
+        p[j] = dot * sc;
+        mx = std::max(mx, p[j]);
+      }
+      float z = 0.f;
+      for (int64_t j = 0; j <= len; ++j) z += (p[j] = std::exp(p[j] - mx));
+      std::fill(ol.begin(), ol.end(), 0.f);
+      float* olp = ol.data();
+      for (int64_t j = 0; j <= len; ++j) {
+        const float* cj = latent(j);
+        const float pj = p[j] / z;
+#pragma omp simd
+        for (int64_t r = 0; r < R; ++r) olp[r] += pj * cj[r];
+      }
+      float* oh = O + n * HD + h * Dh;
+      gemv(WV + h * Dh * R, olp, oh, Dh, R);  // o_h = W_uv,h o~
+      const float* gh = G.row(n) + h * Dh;
+#pragma omp simd
+      for (int64_t d = 0; d < Dh; ++d) oh[d] *= sigmoid_f(gh[d]);
+    }
+  });
+  return {o, c};
 }
 
 // SiTU-GLU of the concatenated projections: gu [T, 2I] = [gate | up] -> [T, I] (model/activations.py).
@@ -359,52 +539,11 @@ std::vector<Tensor> attn_res_read(const std::vector<Tensor>& sources, const std:
   return out;
 }
 
-// LatentMoE's router for a few tokens (model/moe.py `Router`): logits [T, n] = W_r x (fp32), bias b [n]:
-//   s = sigmoid(logits), idx = topk(s + b, k) (descending, ties to the lower expert id) or the given replay
-//   `forced` [T, k] (int64; empty = free choice), p = rsf s_idx / sum s_idx.
-// Returns s [T, n], idx [T, k] int64, p [T, k]. Free and replayed choices compute s and p the same way, so
-// replaying the free choice reproduces it bit for bit.
-std::vector<Tensor> moe_route(const Tensor& logits, const Tensor& bias, const Tensor& forced, int64_t k,
-                              double rsf) {
-  check_f32_contiguous(logits, "logits");
-  check_f32_contiguous(bias, "bias");
-  const int64_t T = logits.size(0), n = logits.size(1);
-  TORCH_CHECK(k >= 1 && k <= n && bias.numel() == n, "fused_cpu.moe_route: need 1 <= k <= n and b [n]");
-  const bool replay = forced.numel() > 0;
-  TORCH_CHECK(!replay || (forced.scalar_type() == at::kLong && forced.is_contiguous() && forced.size(0) == T &&
-                          forced.size(1) == k),
-              "fused_cpu.moe_route: forced experts must be a contiguous int64 [T, k]");
-  Tensor s = at::empty({T, n}, logits.options()), p = at::empty({T, k}, logits.options());
-  Tensor idx = replay ? forced : at::empty({T, k}, logits.options().dtype(at::kLong));
-  const float *L = logits.data_ptr<float>(), *B = bias.data_ptr<float>();
-  float *Sp = s.data_ptr<float>(), *P = p.data_ptr<float>();
-  int64_t* I = idx.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    float* st = Sp + t * n;
-    for (int64_t j = 0; j < n; ++j) st[j] = 1.0f / (1.0f + std::exp(-L[t * n + j]));
-    int64_t* it = I + t * k;
-    for (int64_t j = 0; j < k && !replay; ++j) {  // k passes of argmax over the experts not taken yet (k is small)
-      int64_t best = -1;
-      float bv = -INFINITY;
-      for (int64_t e = 0; e < n; ++e) {
-        bool taken = false;
-        for (int64_t q = 0; q < j; ++q) taken |= it[q] == e;
-        const float v = st[e] + B[e];
-        if (!taken && (best < 0 || v > bv)) best = e, bv = v;
-      }
-      it[j] = best;
-    }
-    float sum = 0.f;
-    for (int64_t j = 0; j < k; ++j) sum += st[it[j]];
-    for (int64_t j = 0; j < k; ++j) P[t * k + j] = st[it[j]] / sum * static_cast<float>(rsf);
-  }
-  return {s, idx, p};
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("situ_glu_gu", &situ_glu_gu, "SiTU-GLU of [gate | up] (CPU, fp32, no autograd)");
-  m.def("attn_res_read", &attn_res_read, "one AttnRes read with cached inverse RMS (CPU, fp32, no autograd)");
-  m.def("moe_route", &moe_route, "sigmoid top-k router for a few tokens (CPU, fp32, no autograd)");
-  m.def("kda_decode", &kda_decode, "one KDA layer decode step after the input projections (CPU, fp32)");
-  m.def("moe_experts", &moe_experts, "routed experts of LatentMoE for a small batch (CPU, fp32, no autograd)");
+  m.def("kda_decode", &kda_decode, "one KDA layer decode step between its input and output matmuls");
+  m.def("mla_decode", &mla_decode, "one absorbed MLA decode step between its input and output matmuls");
+  m.def("moe_small", &moe_small, "LatentMoE for a few tokens between its input and output matmuls");
+  m.def("moe_route", &moe_route, "the LatentMoE router for a few tokens");
+  m.def("situ_glu_gu", &situ_glu_gu, "SiTU-GLU of a [gate | up] projection");
+  m.def("attn_res_read", &attn_res_read, "one AttnRes read, optionally with the RMSNorm after it");
 }

@@ -41,11 +41,12 @@ def load(verbose: bool = False) -> ModuleType | None:
 
 
 def applies(*tensors: torch.Tensor) -> ModuleType | None:
-    """The kernels if they serve these tensors (all fp32 on CPU, none needing a gradient), else None."""
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return None
+    """The kernels if they serve these tensors (all fp32 on CPU, none needing a gradient), else None.
+    (Called per sublayer and step on the decode path: plain loops, no generator expressions.)"""
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad):
+            return None
     return load()
 
 

@@ -19,17 +19,20 @@ from torch import nn
 
 
 class ConcatWeight:
-    """cat(weights, dim=0).T as a contiguous [in, sum of out] tensor, cached until a weight changes."""
+    """cat(weights, dim).T as a contiguous tensor, cached until a weight changes: dim=0 (default) stacks
+    projections of one input, [in, sum of out]; dim=1 stacks projections whose outputs are summed (one matmul
+    of the concatenated inputs), [sum of in, out]."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 0) -> None:
+        self.dim = dim
         self._key: tuple | None = None
         self._weight: torch.Tensor | None = None
 
     def __call__(self, *weights: torch.Tensor) -> torch.Tensor:
-        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+        key = tuple([x for w in weights for x in (w.data_ptr(), w._version)])  # a move changes data_ptr
         if key != self._key:
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable outside inference
-                self._weight = torch.cat([w.detach() for w in weights]).t().contiguous()
+                self._weight = torch.cat([w.detach() for w in weights], self.dim).t().contiguous()
             self._key = key
         return self._weight
 

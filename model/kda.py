@@ -274,23 +274,20 @@ class KDAttention(nn.Module):
         self, x: torch.Tensor, state: KDALayerState
     ) -> tuple[torch.Tensor, KDALayerState] | None:
         """The decode step (one token per sequence, x [N, D]) as one matmul for the six input projections,
-        the two rank-K gate up-projections, ONE fused CPU kernel for conv, norms, gate, recurrence (1) and
-        output gate (model/fused_cpu.cpp `kda_decode`), and the output projection. Returns None (the caller
-        runs the torch path, the reference) unless every tensor is fp32 on CPU and no gradient is needed."""
+        ONE fused CPU kernel for conv, norms, both gates (their rank-K up-projections included), recurrence
+        (1) and the head norm (model/fused_cpu.cpp `kda_decode`), and the output projection. Returns None
+        (the caller runs the torch path, the reference) unless every tensor is fp32 on CPU and no gradient is
+        needed."""
         kernels = fused_cpu.applies(x, state.recurrent, state.conv, self.q_proj.weight, self.conv1d.weight)
         if kernels is None:
             return None
-        H, K = self.num_heads, self.head_dim
         w_in = self._decode_in_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                                       self.b_proj.weight, self.f_a_proj.weight, self.g_a_proj.weight)
         proj = x @ w_in  # [N, 3HK + H + 2K]
-        fa = 3 * H * K + H
-        zf = small_linear(proj[:, fa:fa + K], self.f_b_proj)
-        zg = small_linear(proj[:, fa + K:fa + 2 * K], self.g_b_proj)
         conv_w = self.conv1d.weight.view(self.conv1d.weight.shape[0], self.conv_size)
-        o, conv, S = kernels.kda_decode(proj, zf, zg, conv_w, state.conv.contiguous(), self.dt_bias,
-                                        self.A_log, self.g_min, self.o_norm.weight, self.o_norm.eps,
-                                        state.recurrent.contiguous())
+        o, conv, S = kernels.kda_decode(proj, self.f_b_proj.weight, self.g_b_proj.weight, self.g_b_proj.bias,
+                                        conv_w, state.conv.contiguous(), self.dt_bias, self.A_log, self.g_min,
+                                        self.o_norm.weight, self.o_norm.eps, state.recurrent.contiguous())
         return small_linear(o, self.o_proj), KDALayerState(S, conv)
 
 

@@ -388,29 +388,28 @@ class GatedMLA(nn.Module):
     def decode_step_fused(
         self, x: torch.Tensor, past: MLALatentCache
     ) -> tuple[torch.Tensor, MLALatentCache] | None:
-        """The absorbed decode step (one token per sequence, x [N, D]) with ONE matmul for the q, latent and
-        gate projections and the output projection through a cached transposed weight; the same math as
-        `forward`. None (the caller runs `forward`'s path) unless x and the weights are fp32 on CPU and no
-        gradient is needed, or if there is no cached latent to attend to."""
+        """The absorbed decode step (one token per sequence, x [N, D]): ONE matmul for the q, latent and gate
+        projections, ONE fused CPU kernel for the latent norm, q~ = W_uk^T q, the softmax over the cached
+        latents and the new one, W_uv o~ and the gate (model/fused_cpu.cpp `mla_decode`), the output
+        projection; the same math as `forward`. None (the caller runs `forward`'s path) unless x and the
+        weights are fp32 on CPU and no gradient is needed, or if there is no cached latent to attend to."""
         if not isinstance(past, MLALatentCache) or not any(past.lens):
             return None
-        if fused_cpu.applies(x, self.kv_a_proj.weight, past.buffer) is None:
+        kernels = fused_cpu.applies(x, self.kv_a_proj.weight, past.buffer)
+        if kernels is None:
             return None
-        N, H, Dh, R = x.shape[0], self.num_heads, self.head_dim, self.kv_lora_rank
+        N, R = x.shape[0], self.kv_lora_rank
         q_w = self.q_a_proj.weight if self.q_lora_rank > 0 else self.q_proj.weight
         proj = x @ self._decode_in_weight(q_w, self.kv_a_proj.weight, self.g_proj.weight)
         nq = q_w.shape[0]
         q = proj[:, :nq]
         if self.q_lora_rank > 0:
             q = small_linear(self.q_a_norm(q), self.q_b_proj)
-        c = self.kv_a_norm(proj[:, nq:nq + R])
-        present = past.appended(c, [1] * N)
-        latents = present.buffer[:, :max(present.lens)]
-        o_lat = latent_decode_attention(self.absorb_query(q.reshape(N, H, Dh)), latents, present.lens_tensor,
-                                        self.scale)
-        o = self.expand_output(o_lat).reshape(N, H * Dh)
-        y = small_linear(torch.sigmoid(proj[:, nq + R:]) * o, self.o_proj)
-        return y, present
+        buffer = past.buffer if past.buffer.is_contiguous() else past.buffer.contiguous()
+        o, c = kernels.mla_decode(q, proj[:, nq:nq + R], proj[:, nq + R:], self.kv_a_norm.weight,
+                                  self.kv_a_norm.eps, self.k_b_proj.weight, self.v_b_proj.weight, buffer,
+                                  past.lens, self.num_heads, self.scale)
+        return small_linear(o, self.o_proj), past.appended(c, [1] * N)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, head_dim={self.head_dim}, "

@@ -40,7 +40,7 @@ from model.balancing import (
 )
 from model.expert_load import ExpertLoadTracker
 from model.ffn import DenseFFN
-from model.fused_weights import ConcatWeight, small_linear
+from model.fused_weights import ConcatWeight
 from model.norm import RMSNorm
 
 # Up to this many (token, expert) pairs per expert on average, the no-autograd fp32 CPU path runs the
@@ -171,6 +171,7 @@ class LatentMoE(nn.Module):
         self._sign = SignStats(n)
         self.load_tracker = ExpertLoadTracker(n, k, int(config.moe_load_window))
         self._small_in_weight = ConcatWeight()  # [W_r; W_down; shared W_gate; W_up ...]: `forward_small`
+        self._small_out_weight = ConcatWeight(dim=1)  # [W_up | shared W_down ...]
         self.reset_parameters()
 
     @torch.no_grad()
@@ -239,36 +240,31 @@ class LatentMoE(nn.Module):
     def forward_small(
         self, x: torch.Tensor, replay_experts: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`forward` for a few tokens without autograd on fp32 CPU (decoding), in few calls: ONE matmul for
-        the router, W_down and the shared experts' gate/up projections (their weights concatenated), the
-        router's sigmoid / top-k / weights in one kernel, the routed experts in one kernel (reading only the
-        chosen experts' weights), one SiTU-GLU kernel per shared expert (model/fused_cpu.cpp). Same math as
-        `forward`, same `_observe`. Returns None (the caller runs `forward`'s own path) unless it applies:
-        x [T, D] with 0 < T*k <= 4 pairs per expert."""
+        """`forward` for a few tokens without autograd on fp32 CPU (decoding) in three calls: ONE matmul for
+        the router, W_down and the shared experts' gate/up projections (their weights concatenated), ONE
+        kernel for routing, the chosen experts (reading only their weights), the latent RMSNorm and the
+        shared experts' SiTU-GLU (model/fused_cpu.cpp `moe_small`), ONE matmul for W_up and the shared W_down.
+        Same math as `forward`, same `_observe`. Returns None (the caller runs `forward`'s own path) unless it
+        applies: x [T, D] with 0 < T*k <= 4 pairs per expert."""
         T = x.shape[0]
         if not 0 < T * self.k <= _FUSED_PAIRS_PER_EXPERT * self.n_experts:
             return None
         kernels = fused_cpu.applies(x, self.router.weight, self.w_gate_up, self.w_down_experts)
         if kernels is None or not all(isinstance(s, DenseFFN) for s in self.shared_experts):
             return None
-        n, L = self.n_experts, self.latent_dim
+        shared = list(self.shared_experts)
         w_in = self._small_in_weight(self.router.weight, self.latent_down.weight,
-                                     *[w for s in self.shared_experts for w in (s.gate_proj.weight,
-                                                                                s.up_proj.weight)])
+                                     *[w for s in shared for w in (s.gate_proj.weight, s.up_proj.weight)])
         proj = x @ w_in  # [T, n + L + sum of 2 I_shared]
         forced = torch.empty(0, dtype=torch.long) if replay_experts is None else \
             self.router._check_replay(replay_experts, T).contiguous()
-        scores, idx, p = kernels.moe_route(proj[:, :n].contiguous(), self.router.e_score_correction_bias,
-                                           forced, self.k, self.router.routed_scaling_factor)
+        out, scores, idx, p = kernels.moe_small(
+            proj, self.router.e_score_correction_bias, forced, self.k, self.router.routed_scaling_factor,
+            self.w_gate_up, self.w_down_experts, self.latent_norm.weight, self.latent_norm.eps,
+            [s.gate_proj.weight.shape[0] for s in shared])
         self._observe(scores, idx, p)
-        z = proj[:, n:n + L].contiguous()
-        routed = kernels.moe_experts(z, idx, p, self.w_gate_up, self.w_down_experts)
-        y = small_linear(self.latent_norm(routed), self.latent_up)
-        off = n + L
-        for shared in self.shared_experts:
-            width = 2 * shared.gate_proj.weight.shape[0]
-            y = y + small_linear(kernels.situ_glu_gu(proj[:, off:off + width].contiguous()), shared.down_proj)
-            off += width
+        # out = [RMSNorm(routed latent) | shared activations ...]: W_up and the shared W_down in one matmul
+        y = out @ self._small_out_weight(self.latent_up.weight, *[s.down_proj.weight for s in shared])
         return y, idx
 
     def _observe(self, scores: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> None:

@@ -71,14 +71,14 @@ def test_dispatch_matches_dense_loop_forward_and_backward(replay: bool):
 
 
 class _CountingKernels:
-    """Wraps the fused CPU kernels and counts moe_experts calls (to check which path ran)."""
+    """Wraps the fused CPU kernels and counts moe_small calls (to check which path ran)."""
 
     def __init__(self, kernels):
         self.kernels, self.calls = kernels, 0
 
-    def moe_experts(self, *args):
+    def moe_small(self, *args):
         self.calls += 1
-        return self.kernels.moe_experts(*args)
+        return self.kernels.moe_small(*args)
 
     def __getattr__(self, name):
         return getattr(self.kernels, name)
@@ -88,9 +88,10 @@ class _CountingKernels:
 @pytest.mark.parametrize("replay", [False, True])
 def test_fused_small_batch_forward_matches_dense_loop(T, replay, monkeypatch):
     """Without autograd a few tokens (<= 4 pairs per expert) take `forward_small`: one matmul for router,
-    W_down and the shared expert, the routing in one kernel, the routed experts in ONE fused call
-    (model/fused_cpu.cpp). Equal to the dense-loop oracle, atol 1e-6 (fp32), same experts, and to the torch
-    path (kernels off); the fused call is really taken, and not with autograd or for larger batches."""
+    W_down and the shared expert, ONE fused call for routing, experts, latent norm and shared activation
+    (model/fused_cpu.cpp `moe_small`), one matmul for W_up and the shared W_down. Equal to the dense-loop
+    oracle, atol 1e-6 (fp32), same experts, and to the torch path (kernels off); the fused call is really
+    taken, and not with autograd or for larger batches."""
     kernels = fused_cpu.load()
     assert kernels is not None, "model/fused_cpu.cpp did not build"
     counting = _CountingKernels(kernels)
