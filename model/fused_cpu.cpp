@@ -12,6 +12,8 @@
 //   moe_route      the router alone (tested against model/moe.py `Router`)
 //   situ_glu_gu    SiTU-GLU of a [gate | up] projection                                         model/activations.py
 //   attn_res_read  one Block AttnRes read, optionally with the RMSNorm after it                 model/attn_res.py
+//   kda_recurrent_fwd / _bwd   the KDA recurrence (1) over packed sequences, forward and backward: the CPU
+//                  backend of chunk_kda (fp32); each (sequence, head) chain keeps its K x V state in L1  model/kda_recurrent.py
 //
 // The torch code next to each caller is the reference (and the autograd path); tests/ compare them. Loaded by
 // model/fused_cpu.py.
@@ -539,7 +541,211 @@ std::vector<Tensor> attn_res_read(const std::vector<Tensor>& sources, const std:
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The KDA recurrence (1) in its delta form (2), per (sequence, head) chain, state S [K, V] (model/kda_reference.py
+// `naive_recurrent_kda` is the oracle):
+//   S' = Diag(e^{g_t}) S_{t-1},  d_t = v_t - S'^T k_t,  S_t = S' + beta_t k_t d_t^T,  o_t = S_t^T q_t
+// Inputs in token layout: q, k, g [T, H, K], v [T, H, V], beta [T, H]; cu [N+1] sequence offsets; S0 [N, H, K, V]
+// or empty (zeros). The forward stores S at the start of every `block` tokens of a chain (checkpoints
+// [sum_n ceil(L_n / block), H, K, V], sequence n's blocks from ckpt_off[n]) for the backward, which recomputes
+// each block forward (keeping S'_t and d_t) and then runs the adjoint recurrence backwards through it:
+//   dS += q_t dO_t^T;  dq_t = S_t dO_t;  dbeta_t = k_t^T dS d_t;  dd = beta_t dS^T k_t;  dv_t = dd;
+//   dk_t = beta_t dS d_t - S' dd;  M = dS - k_t dd^T;  dg_t = rowsum(M o S');  dS <- Diag(e^{g_t}) M
+namespace {
+
+struct KdaChain {
+  const float *q, *k, *v, *g, *beta;  // token 0 of the chain, head h
+  int64_t sk, sv, sb;                 // token strides of q/k/g, v, beta
+};
+
+// S' = Diag(e^g) S (in place), d = v - S'^T k, S += beta k d^T, o = S^T q; a [K] scratch, d [V] out.
+inline void kda_token(float* S, const float* q, const float* k, const float* v, const float* g, float beta,
+                      float* o, float* a, float* d, int64_t K, int64_t V) {
+#pragma omp simd
+  for (int64_t i = 0; i < K; ++i) a[i] = exp_f(g[i]);
+  std::copy(v, v + V, d);
+  for (int64_t i = 0; i < K; ++i) {
+    float* row = S + i * V;
+    const float ai = a[i], ki = k[i];
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) {
+      row[j] *= ai;
+      d[j] -= ki * row[j];
+    }
+  }
+  if (o != nullptr) std::fill(o, o + V, 0.f);
+  for (int64_t i = 0; i < K; ++i) {
+    float* row = S + i * V;
+    const float bk = beta * k[i], qi = q[i];
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) row[j] += bk * d[j];
+    if (o != nullptr) {
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) o[j] += qi * row[j];
+    }
+  }
+}
+
+std::vector<int64_t> block_offsets(const std::vector<int64_t>& cu, int64_t block) {
+  std::vector<int64_t> off(cu.size(), 0);
+  for (size_t n = 0; n + 1 < cu.size(); ++n) off[n + 1] = off[n] + (cu[n + 1] - cu[n] + block - 1) / block;
+  return off;
+}
+
+}  // namespace
+
+std::vector<Tensor> kda_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                      const Tensor& beta, const std::vector<int64_t>& cu, const Tensor& S0,
+                                      int64_t block) {
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}})
+    check_f32_contiguous(*t, name);
+  const int64_t T = q.size(0), H = q.size(1), K = q.size(2), V = v.size(2), N = static_cast<int64_t>(cu.size()) - 1;
+  TORCH_CHECK(N >= 0 && cu.front() == 0 && cu.back() == T && k.sizes() == q.sizes() && g.sizes() == q.sizes() &&
+                  v.size(0) == T && v.size(1) == H && beta.size(0) == T && beta.size(1) == H,
+              "fused_cpu.kda_recurrent_fwd: q, k, g [T, H, K], v [T, H, V], beta [T, H], cu [N+1] ending at T");
+  const bool init = S0.numel() > 0;
+  if (init) {
+    check_f32_contiguous(S0, "initial_state");
+    TORCH_CHECK(S0.size(0) == N && S0.size(1) == H && S0.size(2) == K && S0.size(3) == V,
+                "fused_cpu.kda_recurrent_fwd: initial_state must be [N, H, K, V]");
+  }
+  const std::vector<int64_t> boff = block_offsets(cu, block > 0 ? block : 1);
+  Tensor o = at::empty({T, H, V}, q.options()), S = at::empty({N, H, K, V}, q.options());
+  Tensor ckpt = at::empty({block > 0 ? boff.back() : 0, H, K, V}, q.options());
+  const float *Q = q.data_ptr<float>(), *Kp = k.data_ptr<float>(), *Vp = v.data_ptr<float>();
+  const float *G = g.data_ptr<float>(), *B = beta.data_ptr<float>(), *I0 = init ? S0.data_ptr<float>() : nullptr;
+  float *O = o.data_ptr<float>(), *SF = S.data_ptr<float>(), *CK = ckpt.data_ptr<float>();
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(K), d(V);
+    for (int64_t nh = begin; nh < end; ++nh) {
+      const int64_t n = nh / H, h = nh % H;
+      float* st = SF + nh * K * V;
+      if (init) std::copy(I0 + nh * K * V, I0 + (nh + 1) * K * V, st);
+      else std::fill(st, st + K * V, 0.f);
+      for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+        const int64_t j = t - cu[n];
+        if (block > 0 && j % block == 0) std::copy(st, st + K * V, CK + ((boff[n] + j / block) * H + h) * K * V);
+        const int64_t ik = (t * H + h) * K, iv = (t * H + h) * V;
+        kda_token(st, Q + ik, Kp + ik, Vp + iv, G + ik, B[t * H + h], O + iv, a.data(), d.data(), K, V);
+      }
+    }
+  });
+  return {o, S, ckpt};
+}
+
+std::vector<Tensor> kda_recurrent_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                      const Tensor& beta, const std::vector<int64_t>& cu, const Tensor& ckpt,
+                                      int64_t block, const Tensor& dO, const Tensor& dSf) {
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}, {&ckpt, "ckpt"},
+                         {&dO, "dO"}})
+    check_f32_contiguous(*t, name);
+  const int64_t T = q.size(0), H = q.size(1), K = q.size(2), V = v.size(2), N = static_cast<int64_t>(cu.size()) - 1;
+  TORCH_CHECK(block > 0 && dO.sizes() == v.sizes(), "fused_cpu.kda_recurrent_bwd: bad block or dO shape");
+  const bool final_grad = dSf.numel() > 0;
+  if (final_grad) check_f32_contiguous(dSf, "d_final_state");
+  const std::vector<int64_t> boff = block_offsets(cu, block);
+  TORCH_CHECK(ckpt.size(0) == boff.back(), "fused_cpu.kda_recurrent_bwd: checkpoints do not match cu / block");
+  Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v), dg = at::empty_like(g);
+  Tensor db = at::empty_like(beta), dS0 = at::empty({N, H, K, V}, q.options());
+  const float *Q = q.data_ptr<float>(), *Kp = k.data_ptr<float>(), *Vp = v.data_ptr<float>();
+  const float *G = g.data_ptr<float>(), *B = beta.data_ptr<float>(), *CK = ckpt.data_ptr<float>();
+  const float *DO = dO.data_ptr<float>(), *DSF = final_grad ? dSf.data_ptr<float>() : nullptr;
+  float *DQ = dq.data_ptr<float>(), *DK = dk.data_ptr<float>(), *DV = dv.data_ptr<float>();
+  float *DG = dg.data_ptr<float>(), *DB = db.data_ptr<float>(), *DS0 = dS0.data_ptr<float>();
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Sp(block * K * V), D(block * V), A(block * K), S(K * V), dS(K * V), dd(V), a(K), tmp(V);
+    for (int64_t nh = begin; nh < end; ++nh) {
+      const int64_t n = nh / H, h = nh % H, L = cu[n + 1] - cu[n];
+      float* ds = dS.data();
+      if (final_grad) std::copy(DSF + nh * K * V, DSF + (nh + 1) * K * V, ds);
+      else std::fill(ds, ds + K * V, 0.f);
+      for (int64_t b = (L + block - 1) / block - 1; b >= 0; --b) {
+        const int64_t t0 = cu[n] + b * block, t1 = std::min(t0 + block, cu[n + 1]);
+        // recompute the block forward from its checkpoint, keeping S'_t, d_t and e^{g_t}
+        std::copy(CK + ((boff[n] + b) * H + h) * K * V, CK + ((boff[n] + b) * H + h + 1) * K * V, S.data());
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t r = t - t0, ik = (t * H + h) * K, iv = (t * H + h) * V;
+          float *ar = A.data() + r * K, *dr = D.data() + r * V, *sp = Sp.data() + r * K * V, *st = S.data();
+          const float *kt = Kp + ik, *gt = G + ik;
+#pragma omp simd
+          for (int64_t i = 0; i < K; ++i) ar[i] = exp_f(gt[i]);
+          std::copy(Vp + iv, Vp + iv + V, dr);
+          for (int64_t i = 0; i < K; ++i) {
+            float *row = st + i * V, *spr = sp + i * V;
+            const float ai = ar[i], ki = kt[i];
+#pragma omp simd
+            for (int64_t j = 0; j < V; ++j) {
+              row[j] *= ai;
+              spr[j] = row[j];
+              dr[j] -= ki * row[j];
+            }
+          }
+          const float bt = B[t * H + h];
+          for (int64_t i = 0; i < K; ++i) {
+            float* row = st + i * V;
+            const float bk = bt * kt[i];
+#pragma omp simd
+            for (int64_t j = 0; j < V; ++j) row[j] += bk * dr[j];
+          }
+        }
+        // adjoint recurrence backwards through the block
+        for (int64_t t = t1 - 1; t >= t0; --t) {
+          const int64_t r = t - t0, ik = (t * H + h) * K, iv = (t * H + h) * V;
+          const float *sp = Sp.data() + r * K * V, *dr = D.data() + r * V, *ar = A.data() + r * K;
+          const float *qt = Q + ik, *kt = Kp + ik, *dot = DO + iv;
+          const float bt = B[t * H + h];
+          float dd_dot_do = 0.f;  // d_t . dO_t, for dq = S_t dO = S' dO + beta k (d . dO)
+#pragma omp simd reduction(+ : dd_dot_do)
+          for (int64_t j = 0; j < V; ++j) dd_dot_do += dr[j] * dot[j];
+          float* ddp = dd.data();
+          std::fill(ddp, ddp + V, 0.f);
+          float dbeta = 0.f;
+          for (int64_t i = 0; i < K; ++i) {
+            float* dsr = ds + i * V;
+            const float* spr = sp + i * V;
+            const float qi = qt[i], ki = kt[i];
+            float s_do = 0.f, ds_d = 0.f;
+#pragma omp simd reduction(+ : s_do, ds_d)
+            for (int64_t j = 0; j < V; ++j) {
+              dsr[j] += qi * dot[j];  // dS += q dO^T
+              s_do += spr[j] * dot[j];
+              ds_d += dsr[j] * dr[j];
+              ddp[j] += ki * dsr[j];
+            }
+            DQ[ik + i] = s_do + bt * ki * dd_dot_do;
+            dbeta += ki * ds_d;
+            DK[ik + i] = bt * ds_d;  // the - S' dd part is added below
+          }
+#pragma omp simd
+          for (int64_t j = 0; j < V; ++j) ddp[j] *= bt;
+          DB[t * H + h] = dbeta;
+          std::copy(ddp, ddp + V, DV + iv);
+          for (int64_t i = 0; i < K; ++i) {
+            float* dsr = ds + i * V;
+            const float* spr = sp + i * V;
+            const float ki = kt[i], ai = ar[i];
+            float s_dd = 0.f, m_s = 0.f;
+#pragma omp simd reduction(+ : s_dd, m_s)
+            for (int64_t j = 0; j < V; ++j) {
+              s_dd += spr[j] * ddp[j];
+              const float mij = dsr[j] - ki * ddp[j];  // M = dS - k dd^T (the gradient of S')
+              m_s += mij * spr[j];
+              dsr[j] = ai * mij;  // the gradient of S_{t-1}
+            }
+            DK[ik + i] -= s_dd;
+            DG[ik + i] = m_s;  // d/dg_i of S' = e^{g_i} S_{t-1}: sum_j M_ij S'_ij
+          }
+        }
+      }
+      std::copy(ds, ds + K * V, DS0 + nh * K * V);
+    }
+  });
+  return {dq, dk, dv, dg, db, dS0};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kda_recurrent_fwd", &kda_recurrent_fwd, "the KDA recurrence over packed sequences, with checkpoints");
+  m.def("kda_recurrent_bwd", &kda_recurrent_bwd, "the adjoint of kda_recurrent_fwd (recomputes each block)");
   m.def("kda_decode", &kda_decode, "one KDA layer decode step between its input and output matmuls");
   m.def("mla_decode", &mla_decode, "one absorbed MLA decode step between its input and output matmuls");
   m.def("moe_small", &moe_small, "LatentMoE for a few tokens between its input and output matmuls");

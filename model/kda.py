@@ -23,6 +23,7 @@ calling them, so o_t = S_t^T (K^-1/2 q_t) in the layer. Every name the layer fil
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import fused_cpu, kda_chunk, kda_fla
+from model import fused_cpu, kda_chunk, kda_fla, kda_recurrent
 from model.fused_weights import ConcatWeight, small_linear
 from model.kda_chunk import MAX_TILE_LOG_DECAY, TILE
 from model.kda_reference import naive_chunk_kda, naive_recurrent_kda
@@ -103,6 +104,26 @@ def chunk_kda(
     if q.is_cuda and kda_fla.available():
         return kda_fla.chunk_kda_fla(*args)
     return kda_chunk.chunk_kda(*args)
+
+
+def kda_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA over whole sequences on the fastest backend for the tensors, `chunk_kda`'s contract (the layer's
+    entry point): fp32 on CPU, the recurrence itself in C++ with its own backward (model/kda_recurrent.py,
+    several times faster there than the chunkwise form; ODYSSEY_KDA_CPU_BACKEND=chunk turns it off);
+    otherwise `chunk_kda` (fla on CUDA, the torch chunkwise form elsewhere). g must come from `kda_gate`."""
+    if (q.device.type == "cpu" and os.environ.get("ODYSSEY_KDA_CPU_BACKEND", "recurrent") != "chunk"
+            and kda_recurrent.applies(q, k, v, g, beta, initial_state)):
+        return kda_recurrent.recurrent_kda(q, k, v, g, beta, initial_state, cu_seqlens)
+    return chunk_kda(q, k, v, g, beta, initial_state, chunk_size, cu_seqlens, check_decay_bound=False)
 
 
 # ------------------------------------------------------------------------------------------------ layer
@@ -254,7 +275,7 @@ class KDAttention(nn.Module):
         if state is not None and all(n == 1 for n in lens):  # decode: one new token per sequence
             o, S = fused_recurrent_kda_step(q, k, v, g, beta, state.recurrent)
         else:
-            o, S = chunk_kda(
+            o, S = kda_sequence(  # g >= g_min >= -5 by construction (checked in __init__)
                 q[None],
                 k[None],
                 v[None],
@@ -263,7 +284,6 @@ class KDAttention(nn.Module):
                 initial_state=None if state is None else state.recurrent,
                 chunk_size=self.chunk_size,
                 cu_seqlens=cu_seqlens,
-                check_decay_bound=False,  # g >= g_min >= -5 by construction (checked in __init__)
             )
             o = o[0]
         gate = torch.sigmoid(self.g_b_proj(self.g_a_proj(x))).view(T, H, K)
@@ -300,6 +320,7 @@ __all__ = [
     "fused_recurrent_kda_step",
     "initial_dt_bias",
     "kda_gate",
+    "kda_sequence",
     "naive_chunk_kda",
     "naive_recurrent_kda",
     "unbounded_kda_gate",
