@@ -94,6 +94,13 @@ inline float tanh_f(float x) {
   return std::copysign(-e / (2.0f + e), x);
 }
 
+// 1 - tanh^2(x) = 4 e^{-2|x|} / (1 + e^{-2|x|})^2, without the cancellation of 1 - tanh^2 near |tanh| = 1.
+inline float sech2_f(float x) {
+  const float a = std::fabs(x);
+  const float e = exp_f(-2.0f * (a > 40.0f ? 40.0f : a));
+  return 4.0f * e / ((1.0f + e) * (1.0f + e));
+}
+
 // SiTU-GLU (model/activations.py): 4 tanh(g / 4) sigmoid(g) * 25 tanh(u / 25).
 inline float situ_glu(float g, float u) { return 4.f * tanh_f(g * 0.25f) * sigmoid_f(g) * (25.f * tanh_f(u * 0.04f)); }
 
@@ -463,6 +470,34 @@ Tensor situ_glu_gu(const Tensor& gu) {
   return out;
 }
 
+// The gradient of situ_glu_gu: d/d[gate | up] [T, 2I] given dout [T, I]. With A(g) = 4 tanh(g/4) sigmoid(g) and
+// B(u) = 25 tanh(u/25): dg = dout B A'(g), du = dout A B'(u), A' = (1 - tanh^2(g/4)) sigmoid(g) + 4 tanh(g/4)
+// sigmoid(g) (1 - sigmoid(g)), B' = 1 - tanh^2(u/25).
+Tensor situ_glu_gu_backward(const Tensor& gu, const Tensor& dout) {
+  check_f32_contiguous(gu, "gu");
+  check_f32_contiguous(dout, "dout");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  TORCH_CHECK(dout.size(0) == T && dout.size(1) == I, "fused_cpu.situ_glu_gu_backward: dout must be [T, I]");
+  Tensor dgu = at::empty_like(gu);
+  const float *G = gu.data_ptr<float>(), *DO = dout.data_ptr<float>();
+  float* DG = dgu.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *g = G + t * 2 * I, *u = g + I, *d = DO + t * I;
+      float *dg = DG + t * 2 * I, *du = dg + I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float tg = tanh_f(g[i] * 0.25f), sg = sigmoid_f(g[i]), tu = tanh_f(u[i] * 0.04f);
+        const float A = 4.f * tg * sg, B = 25.f * tu;
+        const float dA = sech2_f(g[i] * 0.25f) * sg + A * (1.f - sg);
+        dg[i] = d[i] * B * dA;
+        du[i] = d[i] * A * sech2_f(u[i] * 0.04f);
+      }
+    }
+  });
+  return dgu;
+}
+
 // One AttnRes read (model/attn_res.py `AttnResRead`) over S sources [T, D]:
 //   logits_i = ((query * norm_weight)^T v_i) * r_i,   h = sum_i softmax_i(logits) v_i
 // with r_i = 1 / sqrt(mean(v_i^2) + eps) given for the first inv_rms.size() sources and computed here for the
@@ -751,5 +786,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_small", &moe_small, "LatentMoE for a few tokens between its input and output matmuls");
   m.def("moe_route", &moe_route, "the LatentMoE router for a few tokens");
   m.def("situ_glu_gu", &situ_glu_gu, "SiTU-GLU of a [gate | up] projection");
+  m.def("situ_glu_gu_backward", &situ_glu_gu_backward, "the gradient of situ_glu_gu");
   m.def("attn_res_read", &attn_res_read, "one AttnRes read, optionally with the RMSNorm after it");
 }
