@@ -12,6 +12,7 @@
 //   moe_route      the router alone (tested against model/moe.py `Router`)
 //   situ_glu_gu    SiTU-GLU of a [gate | up] projection                                         model/activations.py
 //   attn_res_read  one Block AttnRes read, optionally with the RMSNorm after it                 model/attn_res.py
+//   short_conv_silu / _backward  KDA's causal depthwise short conv over packed sequences, then SiLU   model/short_conv.py
 //   kda_recurrent_fwd / _bwd   the KDA recurrence (1) over packed sequences, forward and backward: the CPU
 //                  backend of chunk_kda (fp32); each (sequence, head) chain keeps its K x V state in L1  model/kda_recurrent.py
 //
@@ -577,6 +578,147 @@ std::vector<Tensor> attn_res_read(const std::vector<Tensor>& sources, const std:
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Causal depthwise conv over packed sequences, then SiLU (model/short_conv.py `causal_short_conv` + F.silu):
+//   p[t, c] = w[c, W-1] x[t, c] + sum_{i < W-1} w[c, i] x[t - (W-1) + i, c],   y = p sigmoid(p)
+// where positions before a sequence's first token read its conv state [N, C, W-1] (oldest first; empty = zeros).
+// Returns y [T, C] and the new state (the last W-1 inputs of each sequence, state rows too when it is short).
+// Tokens run in parallel (each reads its W-1 predecessors), channels vectorised.
+namespace {
+
+struct ShortConv {
+  const float *X, *WT, *ST;  // x [T, C], taps [W, C], state [N, C, W-1] or null
+  const std::vector<int64_t>& cu;
+  int64_t C, W;
+  int64_t seq_of(int64_t t) const {  // the sequence holding token t
+    return std::upper_bound(cu.begin(), cu.end(), t) - cu.begin() - 1;
+  }
+  // input row r of sequence n (r < 0: state row W-1+r, or null = zeros); buf [C] holds a gathered state row
+  const float* row(int64_t n, int64_t r, float* buf) const {
+    if (r >= 0) return X + (cu[n] + r) * C;
+    if (ST == nullptr) return nullptr;
+    for (int64_t c = 0; c < C; ++c) buf[c] = ST[(n * C + c) * (W - 1) + (W - 1 + r)];
+    return buf;
+  }
+  void pre_activation(int64_t t, float* a, float* buf) const {  // p[t] into a [C]
+    const int64_t n = seq_of(t), r = t - cu[n];
+    std::fill(a, a + C, 0.f);
+    for (int64_t i = 0; i < W; ++i) {
+      const float* xr = row(n, r - (W - 1) + i, buf);
+      if (xr == nullptr) continue;
+      const float* wi = WT + i * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) a[c] += wi[c] * xr[c];
+    }
+  }
+};
+
+}  // namespace
+
+std::vector<Tensor> short_conv_silu(const Tensor& x, const Tensor& w, const std::vector<int64_t>& cu,
+                                    const Tensor& state) {
+  check_f32_contiguous(x, "x");
+  check_f32_contiguous(w, "w");
+  const int64_t T = x.size(0), C = x.size(1), W = w.size(1), N = static_cast<int64_t>(cu.size()) - 1;
+  TORCH_CHECK(w.size(0) == C && N >= 0 && cu.front() == 0 && cu.back() == T,
+              "fused_cpu.short_conv_silu: w [C, W], cu from 0 to T");
+  const bool has_state = state.numel() > 0;
+  if (has_state) {
+    check_f32_contiguous(state, "state");
+    TORCH_CHECK(state.size(0) == N && state.size(1) == C && state.size(2) == W - 1,
+                "fused_cpu.short_conv_silu: state must be [N, C, W-1]");
+  }
+  Tensor y = at::empty({T, C}, x.options()), new_state = at::empty({N, C, W - 1}, x.options());
+  const Tensor wt = w.t().contiguous();  // [W, C]: tap i of every channel, contiguous
+  const ShortConv sc{x.data_ptr<float>(), wt.data_ptr<float>(), has_state ? state.data_ptr<float>() : nullptr, cu,
+                     C, W};
+  float *Y = y.data_ptr<float>(), *NS = new_state.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t tb, int64_t te) {
+    std::vector<float> buf(C);
+    for (int64_t t = tb; t < te; ++t) {
+      float* yr = Y + t * C;
+      sc.pre_activation(t, yr, buf.data());
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) yr[c] = yr[c] * sigmoid_f(yr[c]);
+    }
+  });
+  std::vector<float> buf(C);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t L = cu[n + 1] - cu[n];
+    for (int64_t j = 0; j < W - 1; ++j) {  // new state column j = input row L - (W-1) + j
+      const float* xr = sc.row(n, L - (W - 1) + j, buf.data());
+      for (int64_t c = 0; c < C; ++c) NS[(n * C + c) * (W - 1) + j] = xr ? xr[c] : 0.f;
+    }
+  }
+  return {y, new_state};
+}
+
+// The gradient of short_conv_silu: dx [T, C] and dw [C, W] from dy [T, C] (none for the state, which the caller
+// only passes when it needs no gradient). The pre-activation is recomputed; g = dy silu'(p) with
+// silu'(p) = s (1 + p (1 - s)), s = sigmoid(p); dx[t] = sum_i w[:, i] g[t + W-1-i] (inside the sequence),
+// dw[:, i] = sum_t g[t] x[t - (W-1) + i] (state rows before a sequence's first token).
+std::vector<Tensor> short_conv_silu_backward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& cu,
+                                             const Tensor& state, const Tensor& dy) {
+  check_f32_contiguous(x, "x");
+  check_f32_contiguous(w, "w");
+  check_f32_contiguous(dy, "dy");
+  const int64_t T = x.size(0), C = x.size(1), W = w.size(1);
+  TORCH_CHECK(dy.size(0) == T && dy.size(1) == C && w.size(0) == C && cu.back() == T,
+              "fused_cpu.short_conv_silu_backward: shapes do not match");
+  const bool has_state = state.numel() > 0;
+  if (has_state) check_f32_contiguous(state, "state");
+  const Tensor wt = w.t().contiguous();
+  const ShortConv sc{x.data_ptr<float>(), wt.data_ptr<float>(), has_state ? state.data_ptr<float>() : nullptr, cu,
+                     C, W};
+  Tensor g = at::empty({T, C}, x.options()), dx = at::empty({T, C}, x.options());
+  const float *X = x.data_ptr<float>(), *WT = wt.data_ptr<float>(), *DY = dy.data_ptr<float>();
+  float *G = g.data_ptr<float>(), *DX = dx.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t tb, int64_t te) {
+    std::vector<float> buf(C);
+    for (int64_t t = tb; t < te; ++t) {
+      float* gr = G + t * C;
+      sc.pre_activation(t, gr, buf.data());
+      const float* dyr = DY + t * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) {
+        const float p = gr[c], s = sigmoid_f(p);
+        gr[c] = dyr[c] * s * (1.f + p * (1.f - s));
+      }
+    }
+  });
+  const int nthreads = at::get_num_threads();
+  std::vector<float> dw_parts(static_cast<size_t>(nthreads) * W * C, 0.f);
+  at::parallel_for(0, T, 64, [&](int64_t tb, int64_t te) {
+    float* dwp = dw_parts.data() + static_cast<size_t>(at::get_thread_num()) * W * C;
+    std::vector<float> buf(C);
+    for (int64_t t = tb; t < te; ++t) {
+      const int64_t n = sc.seq_of(t), r = t - cu[n], L = cu[n + 1] - cu[n];
+      float* dxr = DX + t * C;
+      std::fill(dxr, dxr + C, 0.f);
+      for (int64_t i = 0; i < W; ++i) {
+        if (r + (W - 1 - i) >= L) continue;  // the output row that read x[t] through tap i
+        const float *gr = G + (t + W - 1 - i) * C, *wi = WT + i * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) dxr[c] += wi[c] * gr[c];
+      }
+      const float* gr = G + t * C;
+      for (int64_t i = 0; i < W; ++i) {
+        const float* xr = sc.row(n, r - (W - 1) + i, buf.data());
+        if (xr == nullptr) continue;
+        float* dwi = dwp + i * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) dwi[c] += gr[c] * xr[c];
+      }
+    }
+  });
+  Tensor dw = at::zeros({C, W}, x.options());
+  float* DW = dw.data_ptr<float>();
+  for (int th = 0; th < nthreads; ++th)
+    for (int64_t i = 0; i < W; ++i)
+      for (int64_t c = 0; c < C; ++c) DW[c * W + i] += dw_parts[(static_cast<size_t>(th) * W + i) * C + c];
+  return {dx, dw};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // The KDA recurrence (1) in its delta form (2), per (sequence, head) chain, state S [K, V] (model/kda_reference.py
 // `naive_recurrent_kda` is the oracle):
 //   S' = Diag(e^{g_t}) S_{t-1},  d_t = v_t - S'^T k_t,  S_t = S' + beta_t k_t d_t^T,  o_t = S_t^T q_t
@@ -779,6 +921,8 @@ std::vector<Tensor> kda_recurrent_bwd(const Tensor& q, const Tensor& k, const Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("short_conv_silu", &short_conv_silu, "causal depthwise short conv over packed sequences, then SiLU");
+  m.def("short_conv_silu_backward", &short_conv_silu_backward, "the gradient of short_conv_silu (x and w)");
   m.def("kda_recurrent_fwd", &kda_recurrent_fwd, "the KDA recurrence over packed sequences, with checkpoints");
   m.def("kda_recurrent_bwd", &kda_recurrent_bwd, "the adjoint of kda_recurrent_fwd (recomputes each block)");
   m.def("kda_decode", &kda_decode, "one KDA layer decode step between its input and output matmuls");

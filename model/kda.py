@@ -36,7 +36,7 @@ from model.fused_weights import ConcatWeight, small_linear
 from model.kda_chunk import MAX_TILE_LOG_DECAY, TILE
 from model.kda_reference import naive_chunk_kda, naive_recurrent_kda
 from model.norm import RMSNorm
-from model.short_conv import causal_short_conv, seq_lens_from_cu
+from model.short_conv import causal_short_conv_silu, seq_lens_from_cu
 
 
 # --------------------------------------------------------------------------------------------- gates
@@ -261,11 +261,11 @@ class KDAttention(nn.Module):
             fused = self.decode_step_fused(x, state)
             if fused is not None:
                 return fused
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        mixed, conv_state = causal_short_conv(
+        mixed = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        mixed, conv_state = causal_short_conv_silu(  # SiLU(ShortConv(.)), fused on fp32 CPU
             mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state.conv
         )
-        q, k, v = F.silu(mixed).view(T, 3, H, K).unbind(1)
+        q, k, v = mixed.view(T, 3, H, K).unbind(1)
         q = _l2norm(q) * K**-0.5  # the K^-1/2 query scale lives here, not in the kernels
         k = _l2norm(k)
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
