@@ -86,17 +86,47 @@ class AttnResRead(nn.Module):
         norm(h). Without autograd on fp32 CPU tensors [T, D] the whole read, norm included, is one fused
         kernel (model/fused_cpu.cpp `attn_res_read`)."""
         sources = stream.sources()
-        kernels = fused_cpu.applies(*sources, self.query, self.norm_weight) if sources[0].dim() == 2 else None
-        if kernels is None or (norm is not None and norm.weight.dtype != torch.float32):
+        fp32 = [*sources, self.query, self.norm_weight] + ([norm.weight] if norm is not None else [])
+        fused = sources[0].dim() == 2 and all(t.dtype == torch.float32 and t.is_cpu for t in fp32)
+        if not fused or fused_cpu.load() is None:
             h = self(sources, stream.inv_rms(self.eps))
             return h if norm is None else norm(h)
+        out_norm = norm.weight if norm is not None else self.query.new_empty(0)
+        out_eps = norm.eps if norm is not None else 0.0
+        if torch.is_grad_enabled() and any(t.requires_grad for t in fp32):  # fused forward and backward
+            inv = stream.inv_rms(self.eps)  # each source's r once, differentiable
+            return _FusedRead.apply(self.query, self.norm_weight, out_norm, out_eps, len(sources), *sources,
+                                    *inv)
         known = stream.inv_rms(self.eps, compute=False)
-        no_norm = torch.empty(0)
-        h, *new = kernels.attn_res_read([v.contiguous() for v in sources], known, self.query,
-                                        self.norm_weight, self.eps, no_norm if norm is None else norm.weight,
-                                        0.0 if norm is None else norm.eps)
+        h, *new = fused_cpu.load().attn_res_read([v.contiguous() for v in sources], known, self.query,
+                                                 self.norm_weight, self.eps, out_norm, out_eps, False)
         stream.set_inv_rms(self.eps, known + new)
         return h
+
+
+class _FusedRead(torch.autograd.Function):
+    """An AttnRes read (+ the RMSNorm after it) on fp32 CPU: one kernel forward, one backward
+    (model/fused_cpu.cpp `attn_res_read`, `attn_res_read_backward`). Inputs: query, norm_weight, out_norm
+    ([D] or empty), out_eps, S, then the S sources [T, D] and their inverse RMS [T] (whose gradients flow
+    back through `inverse_rms`)."""
+
+    @staticmethod
+    def forward(ctx, query, norm_weight, out_norm, out_eps, n, *tensors):
+        sources, inv = [t.contiguous() for t in tensors[:n]], [t.contiguous() for t in tensors[n:]]
+        out, p, *h_pre = fused_cpu.load().attn_res_read(sources, inv, query, norm_weight, 0.0, out_norm,
+                                                         out_eps, True)
+        ctx.save_for_backward(query, norm_weight, out_norm, p, *h_pre, *sources, *inv)
+        ctx.n, ctx.out_eps, ctx.normed = n, out_eps, bool(h_pre)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        query, norm_weight, out_norm, p, *rest = ctx.saved_tensors
+        h_pre = rest.pop(0) if ctx.normed else p.new_empty(0)
+        n = ctx.n
+        dq, dnw, don, *grads = fused_cpu.load().attn_res_read_backward(
+            rest[:n], rest[n:], query, norm_weight, out_norm, ctx.out_eps, p, h_pre, dout.contiguous())
+        return (dq, dnw, don if ctx.normed else None, None, None, *grads)
 
 
 @dataclass

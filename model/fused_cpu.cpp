@@ -503,10 +503,12 @@ Tensor situ_glu_gu_backward(const Tensor& gu, const Tensor& dout) {
 //   logits_i = ((query * norm_weight)^T v_i) * r_i,   h = sum_i softmax_i(logits) v_i
 // with r_i = 1 / sqrt(mean(v_i^2) + eps) given for the first inv_rms.size() sources and computed here for the
 // rest. With a non-empty out_norm [D], h is returned through that RMSNorm (out_eps): the pre-sublayer norm
-// that always follows a read. Returns h [T, D] and the computed r_i (a list [T] each), which the stream keeps.
+// that always follows a read. Returns h [T, D] and the computed r_i (a list [T] each), which the stream keeps;
+// with `keep` (for attn_res_read_backward) every r_i must be given and the softmax weights p [T, S] and the
+// pre-norm h [T, D] (when normed) follow.
 std::vector<Tensor> attn_res_read(const std::vector<Tensor>& sources, const std::vector<Tensor>& inv_rms,
                                   const Tensor& query, const Tensor& norm_weight, double eps,
-                                  const Tensor& out_norm, double out_eps) {
+                                  const Tensor& out_norm, double out_eps, bool keep) {
   const int64_t S = static_cast<int64_t>(sources.size()), m = static_cast<int64_t>(inv_rms.size());
   TORCH_CHECK(S >= 1 && m <= S, "fused_cpu.attn_res_read: needs >= 1 source and at most one r per source");
   check_f32_contiguous(query, "query");
@@ -533,6 +535,16 @@ std::vector<Tensor> attn_res_read(const std::vector<Tensor>& sources, const std:
   if (normed) check_f32_contiguous(out_norm, "out_norm");
   TORCH_CHECK(!normed || out_norm.numel() == D, "fused_cpu.attn_res_read: out_norm must be [D]");
   const float* ON = normed ? out_norm.data_ptr<float>() : nullptr;
+  TORCH_CHECK(!keep || m == S, "fused_cpu.attn_res_read: keep needs every source's inverse RMS");
+  float *PK = nullptr, *HK = nullptr;
+  if (keep) {
+    out.push_back(at::empty({T, S}, sources[0].options()));
+    PK = out.back().data_ptr<float>();
+    if (normed) {
+      out.push_back(at::empty({T, D}, sources[0].options()));
+      HK = out.back().data_ptr<float>();
+    }
+  }
   std::vector<float> w(D);
   const float *Q = query.data_ptr<float>(), *NW = norm_weight.data_ptr<float>();
   for (int64_t d = 0; d < D; ++d) w[d] = Q[d] * NW[d];
@@ -560,10 +572,12 @@ std::vector<Tensor> attn_res_read(const std::vector<Tensor>& sources, const std:
       std::fill(h, h + D, 0.f);
       for (int64_t i = 0; i < S; ++i) {
         const float p = logit[i] / z;
+        if (PK != nullptr) PK[t * S + i] = p;
         const float* v = V[i] + t * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) h[d] += p * v[d];
       }
+      if (HK != nullptr) std::copy(h, h + D, HK + t * D);
       if (normed) {
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -574,6 +588,114 @@ std::vector<Tensor> attn_res_read(const std::vector<Tensor>& sources, const std:
       }
     }
   });
+  return out;
+}
+
+// The gradient of attn_res_read (keep = true) given dout [T, D]: with w = query * norm_weight,
+//   normed: dh = rh (a - h rh^2 (a . h) / D), a = dout * out_norm, rh = 1 / sqrt(mean(h^2) + out_eps);
+//           d out_norm = sum_t dout * h * rh; otherwise dh = dout;
+//   dp_i = v_i . dh, dl_i = p_i (dp_i - sum_j p_j dp_j);
+//   dv_i = p_i dh + dl_i r_i w, dr_i = dl_i (v_i . w), dw = sum_t sum_i dl_i r_i v_i (-> dquery = dw * norm_weight,
+//   d norm_weight = dw * query). r_i is an input: its own gradient (dr_i) flows back through inverse_rms.
+// Returns [dquery, dnorm_weight, dout_norm (empty when not normed), dv_1 .. dv_S, dr_1 .. dr_S].
+std::vector<Tensor> attn_res_read_backward(const std::vector<Tensor>& sources, const std::vector<Tensor>& inv_rms,
+                                           const Tensor& query, const Tensor& norm_weight, const Tensor& out_norm,
+                                           double out_eps, const Tensor& p, const Tensor& h_pre,
+                                           const Tensor& dout) {
+  const int64_t S = static_cast<int64_t>(sources.size()), T = sources[0].size(0), D = sources[0].size(1);
+  TORCH_CHECK(static_cast<int64_t>(inv_rms.size()) == S, "fused_cpu.attn_res_read_backward: one r per source");
+  for (const auto& t : {query, norm_weight, p, dout}) check_f32_contiguous(t, "attn_res_read_backward input");
+  const bool normed = out_norm.numel() > 0;
+  if (normed) {
+    check_f32_contiguous(out_norm, "out_norm");
+    check_f32_contiguous(h_pre, "h_pre");
+  }
+  std::vector<const float*> V(S), R(S);
+  std::vector<Tensor> dvs, drs;
+  std::vector<float*> DV(S), DR(S);
+  for (int64_t i = 0; i < S; ++i) {
+    check_f32_contiguous(sources[i], "source");
+    check_f32_contiguous(inv_rms[i], "inv_rms");
+    V[i] = sources[i].data_ptr<float>();
+    R[i] = inv_rms[i].data_ptr<float>();
+    dvs.push_back(at::empty({T, D}, sources[0].options()));
+    drs.push_back(at::empty({T}, sources[0].options()));
+    DV[i] = dvs.back().data_ptr<float>();
+    DR[i] = drs.back().data_ptr<float>();
+  }
+  std::vector<float> w(D);
+  const float *Q = query.data_ptr<float>(), *NW = norm_weight.data_ptr<float>(), *P = p.data_ptr<float>();
+  const float *DO = dout.data_ptr<float>(), *ON = normed ? out_norm.data_ptr<float>() : nullptr;
+  const float* HP = normed ? h_pre.data_ptr<float>() : nullptr;
+  for (int64_t d = 0; d < D; ++d) w[d] = Q[d] * NW[d];
+  const int nthreads = at::get_num_threads();
+  std::vector<float> dw_parts(static_cast<size_t>(nthreads) * 2 * D, 0.f);  // per thread: dw [D], d out_norm [D]
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    float* dwp = dw_parts.data() + static_cast<size_t>(at::get_thread_num()) * 2 * D;
+    float* donp = dwp + D;
+    std::vector<float> dh(D), dp(S), vw(S);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* dot = DO + t * D;
+      float* dhp = dh.data();
+      if (normed) {
+        const float* h = HP + t * D;
+        float ss = 0.f, ah = 0.f;
+#pragma omp simd reduction(+ : ss, ah)
+        for (int64_t d = 0; d < D; ++d) {
+          ss += h[d] * h[d];
+          ah += dot[d] * ON[d] * h[d];
+        }
+        const float rh = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(out_eps));
+        const float c = rh * rh * ah / static_cast<float>(D);
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          dhp[d] = rh * (dot[d] * ON[d] - h[d] * c);
+          donp[d] += dot[d] * h[d] * rh;
+        }
+      } else {
+        std::copy(dot, dot + D, dhp);
+      }
+      float s = 0.f;
+      for (int64_t i = 0; i < S; ++i) {
+        const float* v = V[i] + t * D;
+        float a = 0.f, b = 0.f;
+#pragma omp simd reduction(+ : a, b)
+        for (int64_t d = 0; d < D; ++d) {
+          a += v[d] * dhp[d];
+          b += v[d] * w[d];
+        }
+        dp[i] = a;
+        vw[i] = b;
+        s += P[t * S + i] * a;
+      }
+      for (int64_t i = 0; i < S; ++i) {
+        const float pi = P[t * S + i], dl = pi * (dp[i] - s), ri = R[i][t];
+        const float* v = V[i] + t * D;
+        float* dv = DV[i] + t * D;
+        const float c = dl * ri;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          dv[d] = pi * dhp[d] + c * w[d];
+          dwp[d] += c * v[d];
+        }
+        DR[i][t] = dl * vw[i];
+      }
+    }
+  });
+  Tensor dq = at::zeros({D}, query.options()), dnw = at::zeros({D}, query.options());
+  Tensor don = normed ? at::zeros({D}, query.options()) : at::empty({0}, query.options());
+  float *DQ = dq.data_ptr<float>(), *DNW = dnw.data_ptr<float>(), *DON = normed ? don.data_ptr<float>() : nullptr;
+  for (int th = 0; th < nthreads; ++th) {
+    const float* part = dw_parts.data() + static_cast<size_t>(th) * 2 * D;
+    for (int64_t d = 0; d < D; ++d) {
+      DQ[d] += part[d] * NW[d];
+      DNW[d] += part[d] * Q[d];
+      if (normed) DON[d] += part[D + d];
+    }
+  }
+  std::vector<Tensor> out{dq, dnw, don};
+  out.insert(out.end(), dvs.begin(), dvs.end());
+  out.insert(out.end(), drs.begin(), drs.end());
   return out;
 }
 
@@ -932,4 +1054,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("situ_glu_gu", &situ_glu_gu, "SiTU-GLU of a [gate | up] projection");
   m.def("situ_glu_gu_backward", &situ_glu_gu_backward, "the gradient of situ_glu_gu");
   m.def("attn_res_read", &attn_res_read, "one AttnRes read, optionally with the RMSNorm after it");
+  m.def("attn_res_read_backward", &attn_res_read_backward, "the gradient of attn_res_read (keep = true)");
 }

@@ -206,7 +206,7 @@ class OdysseyModel(OdysseyPreTrainedModel):
                     routed.append(topk)
                 if layer.mlp.aux_loss is not None:
                     aux = layer.mlp.aux_loss if aux is None else aux + layer.mlp.aux_loss
-        h = self.norm(self.final_read.read(stream))
+        h = self.final_read.read(stream, self.norm)
         routed_t = torch.stack(routed, dim=1) if routed else None
         return h, new_layers, routed_t, aux
 
