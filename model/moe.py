@@ -13,10 +13,12 @@ with stacked weights w_gate_up [n, 2I, L] (gate rows first, vLLM's w13 layout) a
 
 Dispatch: flatten the T*k (token, expert) pairs, sort by expert, gather the latent rows once, run
 one [c_e, L] x [L, 2I] and one [c_e, I] x [I, L] matmul per non-empty expert on its contiguous
-segment, scale by p and index_add back into [T, L]. There is no loop over tokens. A small batch without
-autograd (decoding: at most 4 pairs per expert on average) takes `forward_small`: one matmul for every
-projection of x, then fused CPU kernels for routing and experts (model/fused_cpu.cpp, same math; only the
-chosen experts' weights are read).
+segment, scale by p and index_add back into [T, L]. There is no loop over tokens. When the experts' loads
+are close enough (padding to the largest count costs <= 2x rows), the segments go into one zero-padded
+[n, max count, L] block instead and all experts run as two batched matmuls (far fewer, larger ops).
+A small batch without autograd (decoding: at most 4 pairs per expert on average) takes `forward_small`:
+one matmul for every projection of x, then fused CPU kernels for routing and experts (model/fused_cpu.cpp,
+same math; only the chosen experts' weights are read).
 `dense_reference_forward` is the slow oracle: every expert on every token, masked by p.
 
 Routing replay (R3): `replay_experts` [T, k] forces T (any integer dtype); p is still computed from
@@ -47,6 +49,9 @@ from model.norm import RMSNorm
 # experts in one fused call that reads each chosen expert's weights in place (gemv per pair); above it, one
 # matmul pair per expert segment reuses the weights better.
 _FUSED_PAIRS_PER_EXPERT = 4
+# `dispatch` runs all experts as two batched matmuls over an [n, max count, L] block when the padding costs at
+# most this factor in rows (balanced routing: ~1.2x); otherwise one matmul pair per expert segment.
+_PADDED_WASTE = 2.0
 
 
 def latent_expert(w_gate_up: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -206,16 +211,28 @@ class LatentMoE(nn.Module):
         flat = topk_idx.reshape(-1)
         order = flat.argsort(stable=True)  # [T*k] pairs grouped by expert
         tok = order // k  # token of each sorted pair
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        counts_t = torch.bincount(flat, minlength=self.n_experts)
+        counts = counts_t.tolist()
         zs = z.index_select(0, tok)  # [T*k, L]
+        p_sorted = weights.reshape(-1)[order].to(z.dtype).unsqueeze(-1)
+        n, cap = self.n_experts, max(counts)
+        if n * cap <= _PADDED_WASTE * T * k:
+            # every expert at once: the sorted pairs in an [n, cap, L] block (zero rows pad each expert to the
+            # largest count), two batched matmuls against the stacked weights, then the real rows back
+            sorted_e = flat[order]
+            slot = torch.arange(T * k, device=z.device) - (counts_t.cumsum(0) - counts_t)[sorted_e]
+            dest = sorted_e * cap + slot  # row of each sorted pair in the padded block
+            zp = z.new_zeros(n * cap, self.latent_dim).index_copy(0, dest, zs).view(n, cap, -1)
+            a = situ_glu_gu(torch.bmm(zp, self.w_gate_up.transpose(1, 2)).view(n * cap, -1))
+            y = torch.bmm(a.view(n, cap, -1), self.w_down_experts.transpose(1, 2)).view(n * cap, -1)
+            return out.index_add(0, tok, y.index_select(0, dest) * p_sorted)
         # split (not slicing): its backward concatenates the segment grads once, whereas every slice's
         # backward would materialise a full-size [T*k, L] zero tensor
         # and unbind (not w[e]): one stacking backward instead of a full-size [n, ...] grad per expert
         w_gu, w_d = self.w_gate_up.unbind(0), self.w_down_experts.unbind(0)
         parts = [situ_glu_gu(seg @ w_gu[e].t()) @ w_d[e].t()  # latent_expert, with the fused activation
                  for e, seg in enumerate(zs.split(counts)) if seg.shape[0]]
-        h = torch.cat(parts) * weights.reshape(-1)[order].to(z.dtype).unsqueeze(-1)
-        return out.index_add(0, tok, h)
+        return out.index_add(0, tok, torch.cat(parts) * p_sorted)
 
     def forward(
         self, x: torch.Tensor, replay_experts: torch.Tensor | None = None

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import model.moe as moe_mod
 from model import fused_cpu
 from model.config import OdysseyConfig
 from model.expert_load import ExpertLoadTracker
@@ -45,8 +46,11 @@ def random_replay(T: int, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("replay", [False, True])
-def test_dispatch_matches_dense_loop_forward_and_backward(replay: bool):
-    """fp32, tolerance atol 1e-5 / rtol 1e-5 on outputs and on every parameter and input gradient."""
+@pytest.mark.parametrize("padded", [True, False])
+def test_dispatch_matches_dense_loop_forward_and_backward(replay: bool, padded: bool, monkeypatch):
+    """fp32, tolerance atol 1e-5 / rtol 1e-5 on outputs and on every parameter and input gradient; both
+    dispatch forms: all experts as one zero-padded batched block, and one matmul pair per expert segment."""
+    monkeypatch.setattr(moe_mod, "_PADDED_WASTE", 1e9 if padded else 0.0)
     moe = make_moe()
     moe.bias.copy_(torch.randn(N) * 0.1)  # a non-zero b must route identically in both paths
     x = torch.randn(96, D, requires_grad=True)
