@@ -852,17 +852,18 @@ std::vector<Tensor> short_conv_silu_backward(const Tensor& x, const Tensor& w, c
 //   dk_t = beta_t dS d_t - S' dd;  M = dS - k_t dd^T;  dg_t = rowsum(M o S');  dS <- Diag(e^{g_t}) M
 namespace {
 
-struct KdaChain {
-  const float *q, *k, *v, *g, *beta;  // token 0 of the chain, head h
-  int64_t sk, sv, sb;                 // token strides of q/k/g, v, beta
-};
+// The chain loops are templates on the head sizes (KT, VT; 0 = given at run time): with the sizes known at
+// compile time the row loops are fully unrolled vector code, about 2-4x faster per token than runtime bounds.
 
-// S' = Diag(e^g) S (in place), d = v - S'^T k, S += beta k d^T, o = S^T q; a [K] scratch, d [V] out.
-inline void kda_token(float* S, const float* q, const float* k, const float* v, const float* g, float beta,
-                      float* o, float* a, float* d, int64_t K, int64_t V) {
+// One token: S' = Diag(e^g) S (in place, also into sp when given), d = v - S'^T k, S += beta k d^T, o = S^T q.
+template <int KT, int VT>
+inline void kda_token(float* __restrict S, const float* __restrict q, const float* __restrict k,
+                      const float* __restrict v, const float* __restrict g, float beta, float* __restrict o,
+                      float* __restrict a, float* __restrict d, float* __restrict sp, int64_t K_, int64_t V_) {
+  const int64_t K = KT ? KT : K_, V = VT ? VT : V_;
 #pragma omp simd
   for (int64_t i = 0; i < K; ++i) a[i] = exp_f(g[i]);
-  std::copy(v, v + V, d);
+  for (int64_t j = 0; j < V; ++j) d[j] = v[j];
   for (int64_t i = 0; i < K; ++i) {
     float* row = S + i * V;
     const float ai = a[i], ki = k[i];
@@ -871,17 +872,76 @@ inline void kda_token(float* S, const float* q, const float* k, const float* v, 
       row[j] *= ai;
       d[j] -= ki * row[j];
     }
+    if (sp != nullptr) std::copy(row, row + V, sp + i * V);
   }
-  if (o != nullptr) std::fill(o, o + V, 0.f);
-  for (int64_t i = 0; i < K; ++i) {
-    float* row = S + i * V;
-    const float bk = beta * k[i], qi = q[i];
+  if (o != nullptr) {
+    for (int64_t j = 0; j < V; ++j) o[j] = 0.f;
+    for (int64_t i = 0; i < K; ++i) {
+      float* row = S + i * V;
+      const float bk = beta * k[i], qi = q[i];
 #pragma omp simd
-    for (int64_t j = 0; j < V; ++j) row[j] += bk * d[j];
-    if (o != nullptr) {
-#pragma omp simd
-      for (int64_t j = 0; j < V; ++j) o[j] += qi * row[j];
+      for (int64_t j = 0; j < V; ++j) {
+        row[j] += bk * d[j];
+        o[j] += qi * row[j];
+      }
     }
+  } else {
+    for (int64_t i = 0; i < K; ++i) {
+      float* row = S + i * V;
+      const float bk = beta * k[i];
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) row[j] += bk * d[j];
+    }
+  }
+}
+
+// The adjoint of one token (see the block comment above): dS is updated in place to the gradient of S_{t-1}.
+template <int KT, int VT>
+inline void kda_token_backward(float* __restrict dS, const float* __restrict sp, const float* __restrict d,
+                               const float* __restrict a, const float* __restrict q, const float* __restrict k,
+                               float beta, const float* __restrict dO, float* __restrict dq, float* __restrict dk,
+                               float* __restrict dv, float* __restrict dg, float* __restrict dbeta,
+                               float* __restrict dd, int64_t K_, int64_t V_) {
+  const int64_t K = KT ? KT : K_, V = VT ? VT : V_;
+  float d_dot_do = 0.f;  // d . dO, for dq = S_t dO = S' dO + beta k (d . dO)
+#pragma omp simd reduction(+ : d_dot_do)
+  for (int64_t j = 0; j < V; ++j) d_dot_do += d[j] * dO[j];
+  for (int64_t j = 0; j < V; ++j) dd[j] = 0.f;
+  float db = 0.f;
+  for (int64_t i = 0; i < K; ++i) {
+    float* dsr = dS + i * V;
+    const float* spr = sp + i * V;
+    const float qi = q[i], ki = k[i];
+    float s_do = 0.f, ds_d = 0.f;
+#pragma omp simd reduction(+ : s_do, ds_d)
+    for (int64_t j = 0; j < V; ++j) {
+      dsr[j] += qi * dO[j];  // dS += q dO^T
+      s_do += spr[j] * dO[j];
+      ds_d += dsr[j] * d[j];
+      dd[j] += ki * dsr[j];
+    }
+    dq[i] = s_do + beta * ki * d_dot_do;
+    db += ki * ds_d;
+    dk[i] = beta * ds_d;  // the - S' dd part is added below
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) dd[j] *= beta;
+  *dbeta = db;
+  for (int64_t j = 0; j < V; ++j) dv[j] = dd[j];
+  for (int64_t i = 0; i < K; ++i) {
+    float* dsr = dS + i * V;
+    const float* spr = sp + i * V;
+    const float ki = k[i], ai = a[i];
+    float s_dd = 0.f, m_s = 0.f;
+#pragma omp simd reduction(+ : s_dd, m_s)
+    for (int64_t j = 0; j < V; ++j) {
+      s_dd += spr[j] * dd[j];
+      const float mij = dsr[j] - ki * dd[j];  // M = dS - k dd^T (the gradient of S')
+      m_s += mij * spr[j];
+      dsr[j] = ai * mij;  // the gradient of S_{t-1}
+    }
+    dk[i] -= s_dd;
+    dg[i] = m_s;  // d/dg_i of S' = e^{g_i} S_{t-1}: sum_j M_ij S'_ij
   }
 }
 
@@ -890,6 +950,79 @@ std::vector<int64_t> block_offsets(const std::vector<int64_t>& cu, int64_t block
   for (size_t n = 0; n + 1 < cu.size(); ++n) off[n + 1] = off[n] + (cu[n + 1] - cu[n] + block - 1) / block;
   return off;
 }
+
+struct KdaArgs {  // token layout: q, k, g [T, H, K], v, o [T, H, V], beta [T, H]
+  const float *Q, *Kp, *Vp, *G, *B;
+  int64_t H, K, V;
+};
+
+template <int KT, int VT>
+void kda_forward_chains(const KdaArgs& x, const std::vector<int64_t>& cu, const float* S0, float* O, float* SF,
+                        float* CK, const std::vector<int64_t>& boff, int64_t block) {
+  const int64_t H = x.H, K = x.K, V = x.V, N = static_cast<int64_t>(cu.size()) - 1;
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(K), d(V);
+    for (int64_t nh = begin; nh < end; ++nh) {
+      const int64_t n = nh / H, h = nh % H;
+      float* st = SF + nh * K * V;
+      if (S0 != nullptr) std::copy(S0 + nh * K * V, S0 + (nh + 1) * K * V, st);
+      else std::fill(st, st + K * V, 0.f);
+      for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+        const int64_t j = t - cu[n];
+        if (block > 0 && j % block == 0) std::copy(st, st + K * V, CK + ((boff[n] + j / block) * H + h) * K * V);
+        const int64_t ik = (t * H + h) * K, iv = (t * H + h) * V;
+        kda_token<KT, VT>(st, x.Q + ik, x.Kp + ik, x.Vp + iv, x.G + ik, x.B[t * H + h], O + iv, a.data(), d.data(),
+                          nullptr, K, V);
+      }
+    }
+  });
+}
+
+struct KdaGrads {
+  float *DQ, *DK, *DV, *DG, *DB, *DS0;
+};
+
+template <int KT, int VT>
+void kda_backward_chains(const KdaArgs& x, const std::vector<int64_t>& cu, const float* CK,
+                         const std::vector<int64_t>& boff, int64_t block, const float* DO, const float* DSF,
+                         const KdaGrads& gr) {
+  const int64_t H = x.H, K = x.K, V = x.V, N = static_cast<int64_t>(cu.size()) - 1;
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Sp(block * K * V), D(block * V), A(block * K), S(K * V), dS(K * V), dd(V);
+    for (int64_t nh = begin; nh < end; ++nh) {
+      const int64_t n = nh / H, h = nh % H, L = cu[n + 1] - cu[n];
+      float* ds = dS.data();
+      if (DSF != nullptr) std::copy(DSF + nh * K * V, DSF + (nh + 1) * K * V, ds);
+      else std::fill(ds, ds + K * V, 0.f);
+      for (int64_t b = (L + block - 1) / block - 1; b >= 0; --b) {
+        const int64_t t0 = cu[n] + b * block, t1 = std::min(t0 + block, cu[n + 1]);
+        // recompute the block forward from its checkpoint, keeping S'_t, d_t and e^{g_t}
+        std::copy(CK + ((boff[n] + b) * H + h) * K * V, CK + ((boff[n] + b) * H + h + 1) * K * V, S.data());
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t r = t - t0, ik = (t * H + h) * K, iv = (t * H + h) * V;
+          kda_token<KT, VT>(S.data(), x.Q + ik, x.Kp + ik, x.Vp + iv, x.G + ik, x.B[t * H + h], nullptr,
+                            A.data() + r * K, D.data() + r * V, Sp.data() + r * K * V, K, V);
+        }
+        for (int64_t t = t1 - 1; t >= t0; --t) {  // the adjoint recurrence backwards through the block
+          const int64_t r = t - t0, ik = (t * H + h) * K, iv = (t * H + h) * V;
+          kda_token_backward<KT, VT>(ds, Sp.data() + r * K * V, D.data() + r * V, A.data() + r * K, x.Q + ik,
+                                     x.Kp + ik, x.B[t * H + h], DO + iv, gr.DQ + ik, gr.DK + ik, gr.DV + iv,
+                                     gr.DG + ik, gr.DB + t * H + h, dd.data(), K, V);
+        }
+      }
+      std::copy(ds, ds + K * V, gr.DS0 + nh * K * V);
+    }
+  });
+}
+
+// calls FN<K, V>(args...) with compile-time sizes for the common square heads, FN<0, 0> otherwise
+#define KDA_DISPATCH(K, V, FN, ...)                                   \
+  do {                                                                \
+    if ((K) == 32 && (V) == 32) FN<32, 32>(__VA_ARGS__);              \
+    else if ((K) == 64 && (V) == 64) FN<64, 64>(__VA_ARGS__);         \
+    else if ((K) == 128 && (V) == 128) FN<128, 128>(__VA_ARGS__);     \
+    else FN<0, 0>(__VA_ARGS__);                                       \
+  } while (0)
 
 }  // namespace
 
@@ -911,24 +1044,10 @@ std::vector<Tensor> kda_recurrent_fwd(const Tensor& q, const Tensor& k, const Te
   const std::vector<int64_t> boff = block_offsets(cu, block > 0 ? block : 1);
   Tensor o = at::empty({T, H, V}, q.options()), S = at::empty({N, H, K, V}, q.options());
   Tensor ckpt = at::empty({block > 0 ? boff.back() : 0, H, K, V}, q.options());
-  const float *Q = q.data_ptr<float>(), *Kp = k.data_ptr<float>(), *Vp = v.data_ptr<float>();
-  const float *G = g.data_ptr<float>(), *B = beta.data_ptr<float>(), *I0 = init ? S0.data_ptr<float>() : nullptr;
-  float *O = o.data_ptr<float>(), *SF = S.data_ptr<float>(), *CK = ckpt.data_ptr<float>();
-  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> a(K), d(V);
-    for (int64_t nh = begin; nh < end; ++nh) {
-      const int64_t n = nh / H, h = nh % H;
-      float* st = SF + nh * K * V;
-      if (init) std::copy(I0 + nh * K * V, I0 + (nh + 1) * K * V, st);
-      else std::fill(st, st + K * V, 0.f);
-      for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
-        const int64_t j = t - cu[n];
-        if (block > 0 && j % block == 0) std::copy(st, st + K * V, CK + ((boff[n] + j / block) * H + h) * K * V);
-        const int64_t ik = (t * H + h) * K, iv = (t * H + h) * V;
-        kda_token(st, Q + ik, Kp + ik, Vp + iv, G + ik, B[t * H + h], O + iv, a.data(), d.data(), K, V);
-      }
-    }
-  });
+  const KdaArgs x{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
+                  beta.data_ptr<float>(), H, K, V};
+  KDA_DISPATCH(K, V, kda_forward_chains, x, cu, init ? S0.data_ptr<float>() : nullptr, o.data_ptr<float>(),
+               S.data_ptr<float>(), ckpt.data_ptr<float>(), boff, block);
   return {o, S, ckpt};
 }
 
@@ -938,7 +1057,7 @@ std::vector<Tensor> kda_recurrent_bwd(const Tensor& q, const Tensor& k, const Te
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}, {&ckpt, "ckpt"},
                          {&dO, "dO"}})
     check_f32_contiguous(*t, name);
-  const int64_t T = q.size(0), H = q.size(1), K = q.size(2), V = v.size(2), N = static_cast<int64_t>(cu.size()) - 1;
+  const int64_t H = q.size(1), K = q.size(2), V = v.size(2), N = static_cast<int64_t>(cu.size()) - 1;
   TORCH_CHECK(block > 0 && dO.sizes() == v.sizes(), "fused_cpu.kda_recurrent_bwd: bad block or dO shape");
   const bool final_grad = dSf.numel() > 0;
   if (final_grad) check_f32_contiguous(dSf, "d_final_state");
@@ -946,99 +1065,12 @@ std::vector<Tensor> kda_recurrent_bwd(const Tensor& q, const Tensor& k, const Te
   TORCH_CHECK(ckpt.size(0) == boff.back(), "fused_cpu.kda_recurrent_bwd: checkpoints do not match cu / block");
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v), dg = at::empty_like(g);
   Tensor db = at::empty_like(beta), dS0 = at::empty({N, H, K, V}, q.options());
-  const float *Q = q.data_ptr<float>(), *Kp = k.data_ptr<float>(), *Vp = v.data_ptr<float>();
-  const float *G = g.data_ptr<float>(), *B = beta.data_ptr<float>(), *CK = ckpt.data_ptr<float>();
-  const float *DO = dO.data_ptr<float>(), *DSF = final_grad ? dSf.data_ptr<float>() : nullptr;
-  float *DQ = dq.data_ptr<float>(), *DK = dk.data_ptr<float>(), *DV = dv.data_ptr<float>();
-  float *DG = dg.data_ptr<float>(), *DB = db.data_ptr<float>(), *DS0 = dS0.data_ptr<float>();
-  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Sp(block * K * V), D(block * V), A(block * K), S(K * V), dS(K * V), dd(V), a(K), tmp(V);
-    for (int64_t nh = begin; nh < end; ++nh) {
-      const int64_t n = nh / H, h = nh % H, L = cu[n + 1] - cu[n];
-      float* ds = dS.data();
-      if (final_grad) std::copy(DSF + nh * K * V, DSF + (nh + 1) * K * V, ds);
-      else std::fill(ds, ds + K * V, 0.f);
-      for (int64_t b = (L + block - 1) / block - 1; b >= 0; --b) {
-        const int64_t t0 = cu[n] + b * block, t1 = std::min(t0 + block, cu[n + 1]);
-        // recompute the block forward from its checkpoint, keeping S'_t, d_t and e^{g_t}
-        std::copy(CK + ((boff[n] + b) * H + h) * K * V, CK + ((boff[n] + b) * H + h + 1) * K * V, S.data());
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t r = t - t0, ik = (t * H + h) * K, iv = (t * H + h) * V;
-          float *ar = A.data() + r * K, *dr = D.data() + r * V, *sp = Sp.data() + r * K * V, *st = S.data();
-          const float *kt = Kp + ik, *gt = G + ik;
-#pragma omp simd
-          for (int64_t i = 0; i < K; ++i) ar[i] = exp_f(gt[i]);
-          std::copy(Vp + iv, Vp + iv + V, dr);
-          for (int64_t i = 0; i < K; ++i) {
-            float *row = st + i * V, *spr = sp + i * V;
-            const float ai = ar[i], ki = kt[i];
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) {
-              row[j] *= ai;
-              spr[j] = row[j];
-              dr[j] -= ki * row[j];
-            }
-          }
-          const float bt = B[t * H + h];
-          for (int64_t i = 0; i < K; ++i) {
-            float* row = st + i * V;
-            const float bk = bt * kt[i];
-#pragma omp simd
-            for (int64_t j = 0; j < V; ++j) row[j] += bk * dr[j];
-          }
-        }
-        // adjoint recurrence backwards through the block
-        for (int64_t t = t1 - 1; t >= t0; --t) {
-          const int64_t r = t - t0, ik = (t * H + h) * K, iv = (t * H + h) * V;
-          const float *sp = Sp.data() + r * K * V, *dr = D.data() + r * V, *ar = A.data() + r * K;
-          const float *qt = Q + ik, *kt = Kp + ik, *dot = DO + iv;
-          const float bt = B[t * H + h];
-          float dd_dot_do = 0.f;  // d_t . dO_t, for dq = S_t dO = S' dO + beta k (d . dO)
-#pragma omp simd reduction(+ : dd_dot_do)
-          for (int64_t j = 0; j < V; ++j) dd_dot_do += dr[j] * dot[j];
-          float* ddp = dd.data();
-          std::fill(ddp, ddp + V, 0.f);
-          float dbeta = 0.f;
-          for (int64_t i = 0; i < K; ++i) {
-            float* dsr = ds + i * V;
-            const float* spr = sp + i * V;
-            const float qi = qt[i], ki = kt[i];
-            float s_do = 0.f, ds_d = 0.f;
-#pragma omp simd reduction(+ : s_do, ds_d)
-            for (int64_t j = 0; j < V; ++j) {
-              dsr[j] += qi * dot[j];  // dS += q dO^T
-              s_do += spr[j] * dot[j];
-              ds_d += dsr[j] * dr[j];
-              ddp[j] += ki * dsr[j];
-            }
-            DQ[ik + i] = s_do + bt * ki * dd_dot_do;
-            dbeta += ki * ds_d;
-            DK[ik + i] = bt * ds_d;  // the - S' dd part is added below
-          }
-#pragma omp simd
-          for (int64_t j = 0; j < V; ++j) ddp[j] *= bt;
-          DB[t * H + h] = dbeta;
-          std::copy(ddp, ddp + V, DV + iv);
-          for (int64_t i = 0; i < K; ++i) {
-            float* dsr = ds + i * V;
-            const float* spr = sp + i * V;
-            const float ki = kt[i], ai = ar[i];
-            float s_dd = 0.f, m_s = 0.f;
-#pragma omp simd reduction(+ : s_dd, m_s)
-            for (int64_t j = 0; j < V; ++j) {
-              s_dd += spr[j] * ddp[j];
-              const float mij = dsr[j] - ki * ddp[j];  // M = dS - k dd^T (the gradient of S')
-              m_s += mij * spr[j];
-              dsr[j] = ai * mij;  // the gradient of S_{t-1}
-            }
-            DK[ik + i] -= s_dd;
-            DG[ik + i] = m_s;  // d/dg_i of S' = e^{g_i} S_{t-1}: sum_j M_ij S'_ij
-          }
-        }
-      }
-      std::copy(ds, ds + K * V, DS0 + nh * K * V);
-    }
-  });
+  const KdaArgs x{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
+                  beta.data_ptr<float>(), H, K, V};
+  const KdaGrads gr{dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), dg.data_ptr<float>(),
+                    db.data_ptr<float>(), dS0.data_ptr<float>()};
+  KDA_DISPATCH(K, V, kda_backward_chains, x, cu, ckpt.data_ptr<float>(), boff, block, dO.data_ptr<float>(),
+               final_grad ? dSf.data_ptr<float>() : nullptr, gr);
   return {dq, dk, dv, dg, db, dS0};
 }
 
