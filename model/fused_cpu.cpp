@@ -1026,6 +1026,125 @@ void kda_backward_chains(const KdaArgs& x, const std::vector<int64_t>& cu, const
 
 }  // namespace
 
+// The whole middle of a KDA layer over packed sequences without autograd (prefill), per (sequence, head) chain:
+//   proj [T, P]   input projections, columns [q (H K) | k (H K) | v (H V) | beta logit (H) | ...]
+//   zf [T, H K]   W_fb W_fa x;  zg [T, H V] W_gb W_ga x + b_gb (the gates' rank-K up-projections, matmuls)
+//   conv_w [C, W], conv_state [N, C, W-1] or empty, cu [N+1], dt_bias, A_log, g_min, o_norm_w [V], eps,
+//   S0 [N, H, K, V] or empty
+// Per token: short conv (previous rows of the sequence, then its conv state) + SiLU of the head's q, k, v
+// channels, L2 norms (q also scaled by K^-1/2), beta = sigmoid, g = g_min sigmoid(e^{A_h} (zf + dt_bias)),
+// recurrence (1), o = sigmoid(zg) * RMSNorm(o). Returns o [T, H V], the new conv state, the final state: what
+// model/kda.py `KDAttention.forward` computes between its input and output projections.
+namespace {
+
+template <int KT, int VT>
+void kda_prefill_chains(const float* X, int64_t P, const float* ZF, const float* ZG, const float* CW, const float* CS,
+                        int64_t W, const std::vector<int64_t>& cu, const float* DT, const float* AL, float gm,
+                        const float* NW, float eps, const float* S0, int64_t H, int64_t K_, int64_t V_, float* O,
+                        float* SF) {
+  const int64_t K = KT ? KT : K_, V = VT ? VT : V_, C = 2 * H * K + H * V, N = static_cast<int64_t>(cu.size()) - 1;
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(K));
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(K), k(V > K ? V : K), v(V), a(K), d(V), g(K);
+    for (int64_t nh = begin; nh < end; ++nh) {
+      const int64_t n = nh / H, h = nh % H;
+      float* st = SF + nh * K * V;
+      if (S0 != nullptr) std::copy(S0 + nh * K * V, S0 + (nh + 1) * K * V, st);
+      else std::fill(st, st + K * V, 0.f);
+      for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+        const int64_t r = t - cu[n];
+        auto conv = [&](int64_t c0, int64_t width, float* out) {  // channels [c0, c0 + width) at token t
+          const float* w = CW + c0 * W;
+#pragma omp simd
+          for (int64_t dd = 0; dd < width; ++dd) out[dd] = w[dd * W + W - 1] * X[t * P + c0 + dd];
+          for (int64_t i = 0; i < W - 1; ++i) {
+            const int64_t rr = r - (W - 1) + i;  // the input row tap i reads
+            if (rr >= 0) {
+              const float* xr = X + (cu[n] + rr) * P + c0;
+#pragma omp simd
+              for (int64_t dd = 0; dd < width; ++dd) out[dd] += w[dd * W + i] * xr[dd];
+            } else if (CS != nullptr) {
+              const float* sr = CS + (n * C + c0) * (W - 1) + (W - 1 + rr);
+#pragma omp simd
+              for (int64_t dd = 0; dd < width; ++dd) out[dd] += w[dd * W + i] * sr[dd * (W - 1)];
+            }
+          }
+#pragma omp simd
+          for (int64_t dd = 0; dd < width; ++dd) out[dd] *= sigmoid_f(out[dd]);
+        };
+        conv(h * K, K, q.data());
+        conv(H * K + h * K, K, k.data());
+        conv(2 * H * K + h * V, V, v.data());
+        float qq = 0.f, kk = 0.f;
+        for (int64_t i = 0; i < K; ++i) {
+          qq += q[i] * q[i];
+          kk += k[i] * k[i];
+        }
+        const float rq = q_scale / std::sqrt(qq + 1e-6f), rk = 1.0f / std::sqrt(kk + 1e-6f);
+        for (int64_t i = 0; i < K; ++i) {
+          q[i] *= rq;
+          k[i] *= rk;
+        }
+        const float beta = sigmoid_f(X[t * P + 3 * H * K + h]), ea = std::exp(AL[h]);
+        const float *zf = ZF + t * H * K + h * K, *dt = DT + h * K;
+#pragma omp simd
+        for (int64_t i = 0; i < K; ++i) g[i] = gm * sigmoid_f(ea * (zf[i] + dt[i]));
+        float* o = O + t * H * V + h * V;
+        kda_token<KT, VT>(st, q.data(), k.data(), v.data(), g.data(), beta, o, a.data(), d.data(), nullptr, K, V);
+        float ss = 0.f;
+        for (int64_t j = 0; j < V; ++j) ss += o[j] * o[j];
+        const float rn = 1.0f / std::sqrt(ss / static_cast<float>(V) + eps);
+        const float* zg = ZG + t * H * V + h * V;
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) o[j] = sigmoid_f(zg[j]) * (o[j] * rn * NW[j]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<Tensor> kda_prefill(const Tensor& proj, const Tensor& zf, const Tensor& zg, const Tensor& conv_w,
+                                const Tensor& conv_state, const std::vector<int64_t>& cu, const Tensor& dt_bias,
+                                const Tensor& A_log, double g_min, const Tensor& o_norm_w, double eps,
+                                const Tensor& S0, int64_t H, int64_t K, int64_t V) {
+  for (auto [t, name] : {std::pair{&proj, "proj"}, {&zf, "zf"}, {&zg, "zg"}, {&conv_w, "conv_w"},
+                         {&dt_bias, "dt_bias"}, {&A_log, "A_log"}, {&o_norm_w, "o_norm_w"}})
+    check_f32_contiguous(*t, name);
+  const int64_t T = proj.size(0), P = proj.size(1), C = conv_w.size(0), W = conv_w.size(1);
+  const int64_t N = static_cast<int64_t>(cu.size()) - 1;
+  TORCH_CHECK(C == 2 * H * K + H * V && P >= 3 * H * K + H && zf.size(0) == T && zf.size(1) == H * K &&
+                  zg.size(0) == T && zg.size(1) == H * V && cu.front() == 0 && cu.back() == T,
+              "fused_cpu.kda_prefill: shapes do not match");
+  const bool has_conv = conv_state.numel() > 0, has_state = S0.numel() > 0;
+  if (has_conv) check_f32_contiguous(conv_state, "conv_state");
+  if (has_state) check_f32_contiguous(S0, "initial_state");
+  TORCH_CHECK(!has_conv || (conv_state.size(0) == N && conv_state.size(1) == C && conv_state.size(2) == W - 1),
+              "fused_cpu.kda_prefill: conv_state must be [N, C, W-1]");
+  TORCH_CHECK(!has_state || (S0.size(0) == N && S0.size(1) == H && S0.size(2) == K && S0.size(3) == V),
+              "fused_cpu.kda_prefill: initial_state must be [N, H, K, V]");
+  Tensor o = at::empty({T, H * V}, proj.options()), S = at::empty({N, H, K, V}, proj.options());
+  Tensor conv_new = at::empty({N, C, W - 1}, proj.options());
+  KDA_DISPATCH(K, V, kda_prefill_chains, proj.data_ptr<float>(), P, zf.data_ptr<float>(), zg.data_ptr<float>(),
+               conv_w.data_ptr<float>(), has_conv ? conv_state.data_ptr<float>() : nullptr, W, cu,
+               dt_bias.data_ptr<float>(), A_log.data_ptr<float>(), static_cast<float>(g_min),
+               o_norm_w.data_ptr<float>(), static_cast<float>(eps), has_state ? S0.data_ptr<float>() : nullptr, H, K, V,
+               o.data_ptr<float>(), S.data_ptr<float>());
+  // the new conv state: the last W-1 inputs of each sequence (conv state rows too when it is short)
+  const float *X = proj.data_ptr<float>(), *CS = has_conv ? conv_state.data_ptr<float>() : nullptr;
+  float* CN = conv_new.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t L = cu[n + 1] - cu[n];
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t j = 0; j < W - 1; ++j) {
+        const int64_t rr = L - (W - 1) + j;
+        CN[(n * C + c) * (W - 1) + j] = rr >= 0 ? X[(cu[n] + rr) * P + c]
+                                                : (CS != nullptr ? CS[(n * C + c) * (W - 1) + (W - 1 + rr)] : 0.f);
+      }
+  }
+  return {o, conv_new, S};
+}
+
 std::vector<Tensor> kda_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                       const Tensor& beta, const std::vector<int64_t>& cu, const Tensor& S0,
                                       int64_t block) {
@@ -1077,6 +1196,7 @@ std::vector<Tensor> kda_recurrent_bwd(const Tensor& q, const Tensor& k, const Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_conv_silu", &short_conv_silu, "causal depthwise short conv over packed sequences, then SiLU");
   m.def("short_conv_silu_backward", &short_conv_silu_backward, "the gradient of short_conv_silu (x and w)");
+  m.def("kda_prefill", &kda_prefill, "a KDA layer between its input and output matmuls, packed sequences");
   m.def("kda_recurrent_fwd", &kda_recurrent_fwd, "the KDA recurrence over packed sequences, with checkpoints");
   m.def("kda_recurrent_bwd", &kda_recurrent_bwd, "the adjoint of kda_recurrent_fwd (recomputes each block)");
   m.def("kda_decode", &kda_decode, "one KDA layer decode step between its input and output matmuls");

@@ -259,8 +259,10 @@ class KDAttention(nn.Module):
 
         if state is not None and all(n == 1 for n in lens):  # decode: one new token per sequence
             fused = self.decode_step_fused(x, state)
-            if fused is not None:
-                return fused
+        else:
+            fused = self.forward_fused(x, lens, state)
+        if fused is not None:
+            return fused
         mixed = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
         mixed, conv_state = causal_short_conv_silu(  # SiLU(ShortConv(.)), fused on fp32 CPU
             mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state.conv
@@ -289,6 +291,36 @@ class KDAttention(nn.Module):
         gate = torch.sigmoid(self.g_b_proj(self.g_a_proj(x))).view(T, H, K)
         o = (gate * self.o_norm(o.to(x.dtype))).reshape(T, H * K)
         return self.o_proj(o), KDALayerState(S, conv_state)
+
+    def forward_fused(
+        self, x: torch.Tensor, lens: list[int], state: KDALayerState | None
+    ) -> tuple[torch.Tensor, KDALayerState] | None:
+        """`forward` over packed sequences (lens, states or None) without autograd on fp32 CPU (prefill): one
+        matmul for the six input projections, two for the gates' rank-K up-projections, ONE fused kernel for
+        everything between them and the output projection (model/fused_cpu.cpp `kda_prefill`: short conv,
+        SiLU, norms, gates, the recurrence per (sequence, head), head norm, output gate). None (the caller
+        runs the torch path, the reference) unless it applies; ODYSSEY_KDA_CPU_BACKEND=chunk turns it off."""
+        tensors = [x, self.q_proj.weight, self.conv1d.weight]
+        tensors += [state.recurrent, state.conv] if state is not None else []
+        kernels = fused_cpu.applies(*tensors)
+        if kernels is None or os.environ.get("ODYSSEY_KDA_CPU_BACKEND", "recurrent") == "chunk":
+            return None
+        H, K = self.num_heads, self.head_dim
+        proj = x @ self._decode_in_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                          self.b_proj.weight, self.f_a_proj.weight, self.g_a_proj.weight)
+        fa = 3 * H * K + H
+        zf = small_linear(proj[:, fa:fa + K], self.f_b_proj)
+        zg = small_linear(proj[:, fa + K:fa + 2 * K], self.g_b_proj)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        empty = x.new_empty(0)
+        conv_w = self.conv1d.weight.view(self.conv1d.weight.shape[0], self.conv_size)
+        o, conv, S = kernels.kda_prefill(
+            proj, zf, zg, conv_w, state.conv.contiguous() if state else empty, cu, self.dt_bias, self.A_log,
+            self.g_min, self.o_norm.weight, self.o_norm.eps, state.recurrent.contiguous() if state else empty,
+            H, K, K)
+        return small_linear(o, self.o_proj), KDALayerState(S, conv)
 
     def decode_step_fused(
         self, x: torch.Tensor, state: KDALayerState
