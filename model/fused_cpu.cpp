@@ -1145,6 +1145,181 @@ std::vector<Tensor> kda_prefill(const Tensor& proj, const Tensor& zf, const Tens
   return {o, conv_new, S};
 }
 
+// The elementwise work of a KDA layer around the recurrence, for training (forward and backward; model/kda.py
+// `KDAttention.forward` is the reference):
+//   kda_gates:  act [T, 2 H K + H V] = SiLU(conv) as [q | k | v], b [T, H] beta logits, zf [T, H K] = W_fb W_fa x
+//     -> q = K^-1/2 q / ||q||, k = k / ||k|| (eps 1e-6 inside the sqrt), v, g = g_min sigmoid(e^{A_h} (zf + dt)),
+//        beta = sigmoid(b)
+//   kda_output: o [T, H, V], zg [T, H V], w [V] -> sigmoid(zg) * o / sqrt(mean_head(o^2) + eps) * w
+std::vector<Tensor> kda_gates(const Tensor& act, const Tensor& b, const Tensor& zf, const Tensor& dt,
+                              const Tensor& A_log, double g_min, int64_t H, int64_t K) {
+  for (auto [t, name] : {std::pair{&act, "act"}, {&b, "b"}, {&zf, "zf"}, {&dt, "dt_bias"}, {&A_log, "A_log"}})
+    check_f32_contiguous(*t, name);
+  const int64_t T = act.size(0), C = act.size(1), V = (C - 2 * H * K) / H;
+  TORCH_CHECK(V > 0 && b.size(0) == T && b.size(1) == H && zf.size(0) == T && zf.size(1) == H * K,
+              "fused_cpu.kda_gates: shapes do not match");
+  Tensor q = at::empty({T, H, K}, act.options()), k = at::empty({T, H, K}, act.options());
+  Tensor v = at::empty({T, H, V}, act.options()), g = at::empty({T, H, K}, act.options());
+  Tensor beta = at::empty({T, H}, act.options());
+  const float *A = act.data_ptr<float>(), *Bl = b.data_ptr<float>(), *ZF = zf.data_ptr<float>();
+  const float *DT = dt.data_ptr<float>(), *AL = A_log.data_ptr<float>();
+  float *Q = q.data_ptr<float>(), *Kp = k.data_ptr<float>(), *Vp = v.data_ptr<float>(), *G = g.data_ptr<float>();
+  float* BE = beta.data_ptr<float>();
+  const float qs = 1.0f / std::sqrt(static_cast<float>(K)), gm = static_cast<float>(g_min);
+  at::parallel_for(0, T, 32, [&](int64_t tb, int64_t te) {
+    for (int64_t t = tb; t < te; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const float *aq = A + t * C + h * K, *ak = A + t * C + H * K + h * K, *av = A + t * C + 2 * H * K + h * V;
+        float qq = 0.f, kk = 0.f;
+#pragma omp simd reduction(+ : qq, kk)
+        for (int64_t i = 0; i < K; ++i) {
+          qq += aq[i] * aq[i];
+          kk += ak[i] * ak[i];
+        }
+        const float rq = qs / std::sqrt(qq + 1e-6f), rk = 1.0f / std::sqrt(kk + 1e-6f), ea = std::exp(AL[h]);
+        float *qo = Q + (t * H + h) * K, *ko = Kp + (t * H + h) * K, *go = G + (t * H + h) * K;
+        const float *zf = ZF + t * H * K + h * K, *dh = DT + h * K;
+#pragma omp simd
+        for (int64_t i = 0; i < K; ++i) {
+          qo[i] = aq[i] * rq;
+          ko[i] = ak[i] * rk;
+          go[i] = gm * sigmoid_f(ea * (zf[i] + dh[i]));
+        }
+        std::copy(av, av + V, Vp + (t * H + h) * V);
+        BE[t * H + h] = sigmoid_f(Bl[t * H + h]);
+      }
+  });
+  return {q, k, v, g, beta};
+}
+
+// The gradient of kda_gates: d act [T, C], d b [T, H], d zf [T, H K], d dt [H K], d A_log [H].
+//   q = s a r (r = 1 / sqrt(|a|^2 + eps)): da = s r (dq - a r^2 (a . dq)); the same for k with s = 1;
+//   g = g_min sigmoid(e^A z'), z' = zf + dt: dz' = dg g_min sig (1 - sig) e^A, dA = sum dg g_min sig (1 - sig) e^A z'.
+std::vector<Tensor> kda_gates_backward(const Tensor& act, const Tensor& b, const Tensor& zf, const Tensor& dt,
+                                       const Tensor& A_log, double g_min, int64_t H, int64_t K, const Tensor& dq,
+                                       const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dbeta) {
+  for (const auto& t : {act, b, zf, dt, A_log, dq, dk, dv, dg, dbeta})
+    check_f32_contiguous(t, "kda_gates_backward input");
+  const int64_t T = act.size(0), C = act.size(1), V = (C - 2 * H * K) / H;
+  Tensor da = at::empty_like(act), db = at::empty_like(b), dzf = at::empty_like(zf);
+  const float *A = act.data_ptr<float>(), *Bl = b.data_ptr<float>(), *ZF = zf.data_ptr<float>();
+  const float *DT = dt.data_ptr<float>(), *AL = A_log.data_ptr<float>(), *DQ = dq.data_ptr<float>();
+  const float *DK = dk.data_ptr<float>(), *DV = dv.data_ptr<float>(), *DG = dg.data_ptr<float>();
+  const float* DB = dbeta.data_ptr<float>();
+  float *DA = da.data_ptr<float>(), *DBl = db.data_ptr<float>(), *DZ = dzf.data_ptr<float>();
+  const float qs = 1.0f / std::sqrt(static_cast<float>(K)), gm = static_cast<float>(g_min);
+  const int nthreads = at::get_num_threads();
+  std::vector<double> part(static_cast<size_t>(nthreads) * (H * K + H), 0.0);  // d dt [H K], d A_log [H]
+  at::parallel_for(0, T, 32, [&](int64_t tb, int64_t te) {
+    double* pd = part.data() + static_cast<size_t>(at::get_thread_num()) * (H * K + H);
+    for (int64_t t = tb; t < te; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const float *aq = A + t * C + h * K, *ak = A + t * C + H * K + h * K;
+        const float *dq_ = DQ + (t * H + h) * K, *dk_ = DK + (t * H + h) * K;
+        float qq = 0.f, kk = 0.f, qd = 0.f, kd = 0.f;
+#pragma omp simd reduction(+ : qq, kk, qd, kd)
+        for (int64_t i = 0; i < K; ++i) {
+          qq += aq[i] * aq[i];
+          kk += ak[i] * ak[i];
+          qd += aq[i] * dq_[i];
+          kd += ak[i] * dk_[i];
+        }
+        const float rq = 1.0f / std::sqrt(qq + 1e-6f), rk = 1.0f / std::sqrt(kk + 1e-6f);
+        float *daq = DA + t * C + h * K, *dak = DA + t * C + H * K + h * K;
+        const float cq = rq * rq * qd, ck = rk * rk * kd;
+#pragma omp simd
+        for (int64_t i = 0; i < K; ++i) {
+          daq[i] = qs * rq * (dq_[i] - aq[i] * cq);
+          dak[i] = rk * (dk_[i] - ak[i] * ck);
+        }
+        std::copy(DV + (t * H + h) * V, DV + (t * H + h + 1) * V, DA + t * C + 2 * H * K + h * V);
+        const float ea = std::exp(AL[h]);
+        const float *zf = ZF + t * H * K + h * K, *dh = DT + h * K, *dg_ = DG + (t * H + h) * K;
+        float* dz = DZ + t * H * K + h * K;
+        float dA = 0.f;
+        for (int64_t i = 0; i < K; ++i) {
+          const float z = zf[i] + dh[i], s = sigmoid_f(ea * z), c = dg_[i] * gm * s * (1.f - s) * ea;
+          dz[i] = c;
+          pd[h * K + i] += c;
+          dA += c * z;
+        }
+        pd[H * K + h] += dA;
+        const float be = sigmoid_f(Bl[t * H + h]);
+        DBl[t * H + h] = DB[t * H + h] * be * (1.f - be);
+      }
+  });
+  Tensor ddt = at::zeros({H * K}, act.options()), dal = at::zeros({H}, act.options());
+  float *DDT = ddt.data_ptr<float>(), *DAL = dal.data_ptr<float>();
+  for (int th = 0; th < nthreads; ++th) {
+    const double* pd = part.data() + static_cast<size_t>(th) * (H * K + H);
+    for (int64_t i = 0; i < H * K; ++i) DDT[i] += static_cast<float>(pd[i]);
+    for (int64_t h = 0; h < H; ++h) DAL[h] += static_cast<float>(pd[H * K + h]);
+  }
+  return {da, db, dzf, ddt, dal};
+}
+
+std::vector<Tensor> kda_output(const Tensor& o, const Tensor& zg, const Tensor& w, double eps) {
+  for (auto [t, name] : {std::pair{&o, "o"}, {&zg, "zg"}, {&w, "w"}}) check_f32_contiguous(*t, name);
+  const int64_t T = o.size(0), H = o.size(1), V = o.size(2);
+  Tensor y = at::empty({T, H * V}, o.options()), r = at::empty({T, H}, o.options());
+  const float *O = o.data_ptr<float>(), *ZG = zg.data_ptr<float>(), *W = w.data_ptr<float>();
+  float *Y = y.data_ptr<float>(), *R = r.data_ptr<float>();
+  at::parallel_for(0, T * H, 64, [&](int64_t b, int64_t e) {
+    for (int64_t th = b; th < e; ++th) {
+      const float *oo = O + th * V, *z = ZG + th * V;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < V; ++j) ss += oo[j] * oo[j];
+      const float rr = 1.0f / std::sqrt(ss / static_cast<float>(V) + static_cast<float>(eps));
+      R[th] = rr;
+      float* yy = Y + th * V;
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) yy[j] = sigmoid_f(z[j]) * (oo[j] * rr * W[j]);
+    }
+  });
+  return {y, r};
+}
+
+// The gradient of kda_output: with n = o r w (r the saved inverse RMS), s = sigmoid(zg), y = s n:
+//   d zg = dy n s (1 - s);  d w = sum dy s o r;  d o = r (u - o r^2 (u . o) / V), u = dy s w.
+std::vector<Tensor> kda_output_backward(const Tensor& o, const Tensor& zg, const Tensor& w, const Tensor& r,
+                                        const Tensor& dy) {
+  for (const auto& t : {o, zg, w, r, dy}) check_f32_contiguous(t, "kda_output_backward input");
+  const int64_t T = o.size(0), H = o.size(1), V = o.size(2);
+  Tensor dO = at::empty_like(o), dzg = at::empty_like(zg);
+  const float *O = o.data_ptr<float>(), *ZG = zg.data_ptr<float>(), *W = w.data_ptr<float>();
+  const float *R = r.data_ptr<float>(), *DY = dy.data_ptr<float>();
+  float *DO = dO.data_ptr<float>(), *DZ = dzg.data_ptr<float>();
+  const int nthreads = at::get_num_threads();
+  std::vector<float> part(static_cast<size_t>(nthreads) * V, 0.f);
+  at::parallel_for(0, T * H, 64, [&](int64_t b, int64_t e) {
+    float* pw = part.data() + static_cast<size_t>(at::get_thread_num()) * V;
+    std::vector<float> u(V);
+    for (int64_t th = b; th < e; ++th) {
+      const float *oo = O + th * V, *z = ZG + th * V, *d = DY + th * V;
+      const float rr = R[th];
+      float uo = 0.f;
+      float* dz = DZ + th * V;
+      for (int64_t j = 0; j < V; ++j) {
+        const float s = sigmoid_f(z[j]), n = oo[j] * rr * W[j];
+        dz[j] = d[j] * n * s * (1.f - s);
+        pw[j] += d[j] * s * oo[j] * rr;
+        u[j] = d[j] * s * W[j];
+        uo += u[j] * oo[j];
+      }
+      const float c = rr * rr * uo / static_cast<float>(V);
+      float* dd = DO + th * V;
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) dd[j] = rr * (u[j] - oo[j] * c);
+    }
+  });
+  Tensor dw = at::zeros({V}, o.options());
+  float* DW = dw.data_ptr<float>();
+  for (int th = 0; th < nthreads; ++th)
+    for (int64_t j = 0; j < V; ++j) DW[j] += part[static_cast<size_t>(th) * V + j];
+  return {dO, dzg, dw};
+}
+
 std::vector<Tensor> kda_recurrent_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                       const Tensor& beta, const std::vector<int64_t>& cu, const Tensor& S0,
                                       int64_t block) {
@@ -1196,6 +1371,10 @@ std::vector<Tensor> kda_recurrent_bwd(const Tensor& q, const Tensor& k, const Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_conv_silu", &short_conv_silu, "causal depthwise short conv over packed sequences, then SiLU");
   m.def("short_conv_silu_backward", &short_conv_silu_backward, "the gradient of short_conv_silu (x and w)");
+  m.def("kda_gates", &kda_gates, "a KDA layer's q/k norms, decay gate and beta (training forward)");
+  m.def("kda_gates_backward", &kda_gates_backward, "the gradient of kda_gates");
+  m.def("kda_output", &kda_output, "a KDA layer's head RMSNorm and output gate (training forward)");
+  m.def("kda_output_backward", &kda_output_backward, "the gradient of kda_output");
   m.def("kda_prefill", &kda_prefill, "a KDA layer between its input and output matmuls, packed sequences");
   m.def("kda_recurrent_fwd", &kda_recurrent_fwd, "the KDA recurrence over packed sequences, with checkpoints");
   m.def("kda_recurrent_bwd", &kda_recurrent_bwd, "the adjoint of kda_recurrent_fwd (recomputes each block)");

@@ -127,6 +127,48 @@ def kda_sequence(
 
 
 # ------------------------------------------------------------------------------------------------ layer
+class _KdaGates(torch.autograd.Function):
+    """The layer's q/k L2 norms (q scaled by K^-1/2), decay gate and beta on fp32 CPU, one fused kernel each
+    way (model/fused_cpu.cpp `kda_gates`): act [T, 2HK + HV] = SiLU(conv) as [q | k | v], b [T, H] beta
+    logits, zf [T, HK] = W_fb W_fa x -> q, k, g [T, H, K], v [T, H, V], beta [T, H]."""
+
+    @staticmethod
+    def forward(ctx, act, b, zf, dt_bias, A_log, g_min: float, H: int, K: int):
+        act, b, zf = act.contiguous(), b.contiguous(), zf.contiguous()
+        ctx.save_for_backward(act, b, zf, dt_bias, A_log)
+        ctx.args = (g_min, H, K)
+        return tuple(fused_cpu.load().kda_gates(act, b, zf, dt_bias, A_log, g_min, H, K))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv, dg, dbeta):
+        act, b, zf, dt_bias, A_log = ctx.saved_tensors
+        _, H, K = ctx.args
+        T, V = act.shape[0], (act.shape[1] - 2 * H * K) // H
+        shapes = [(T, H, K), (T, H, K), (T, H, V), (T, H, K), (T, H)]
+        grads = [d.contiguous() if d is not None else act.new_zeros(s)
+                 for d, s in zip((dq, dk, dv, dg, dbeta), shapes)]
+        kernels = fused_cpu.load()
+        da, db, dzf, ddt, dal = kernels.kda_gates_backward(act, b, zf, dt_bias, A_log, *ctx.args, *grads)
+        return da, db, dzf, ddt, dal, None, None, None
+
+
+class _KdaOutput(torch.autograd.Function):
+    """sigmoid(zg) * RMSNorm_head(o) (weight w [V]) on fp32 CPU, one kernel each way (`kda_output`):
+    o [T, H, V], zg [T, HV] -> [T, HV]."""
+
+    @staticmethod
+    def forward(ctx, o, zg, w, eps: float):
+        y, r = fused_cpu.load().kda_output(o, zg, w, eps)
+        ctx.save_for_backward(o, zg, w, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        o, zg, w, r = ctx.saved_tensors
+        do, dzg, dw = fused_cpu.load().kda_output_backward(o, zg, w, r, dy.contiguous())
+        return do, dzg, dw, None
+
+
 @dataclass
 class KDALayerState:
     """Decode state of one KDA layer for N sequences.
@@ -267,12 +309,18 @@ class KDAttention(nn.Module):
         mixed, conv_state = causal_short_conv_silu(  # SiLU(ShortConv(.)), fused on fp32 CPU
             mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state.conv
         )
-        q, k, v = mixed.view(T, 3, H, K).unbind(1)
-        q = _l2norm(q) * K**-0.5  # the K^-1/2 query scale lives here, not in the kernels
-        k = _l2norm(k)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
-        z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        g = kda_gate(z.view(T, H, K), self.A_log, self.g_min)  # [T, H, K] fp32, >= g_min
+        fused = mixed.dtype == torch.float32 and mixed.is_cpu and fused_cpu.load() is not None
+        if fused:  # norms, decay gate and beta in one kernel forward and one backward (same formulas)
+            zf = self.f_b_proj(self.f_a_proj(x))
+            b = self.b_proj(x)
+            q, k, v, g, beta = _KdaGates.apply(mixed, b, zf, self.dt_bias, self.A_log, self.g_min, H, K)
+        else:
+            q, k, v = mixed.view(T, 3, H, K).unbind(1)
+            q = _l2norm(q) * K**-0.5  # the K^-1/2 query scale lives here, not in the kernels
+            k = _l2norm(k)
+            beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+            z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+            g = kda_gate(z.view(T, H, K), self.A_log, self.g_min)  # [T, H, K] fp32, >= g_min
 
         if state is not None and all(n == 1 for n in lens):  # decode: one new token per sequence
             o, S = fused_recurrent_kda_step(q, k, v, g, beta, state.recurrent)
@@ -288,8 +336,11 @@ class KDAttention(nn.Module):
                 cu_seqlens=cu_seqlens,
             )
             o = o[0]
-        gate = torch.sigmoid(self.g_b_proj(self.g_a_proj(x))).view(T, H, K)
-        o = (gate * self.o_norm(o.to(x.dtype))).reshape(T, H * K)
+        zg = self.g_b_proj(self.g_a_proj(x))
+        if fused and o.dtype == torch.float32:  # head norm and output gate: one kernel each way
+            o = _KdaOutput.apply(o.contiguous(), zg.contiguous(), self.o_norm.weight, self.o_norm.eps)
+        else:
+            o = (torch.sigmoid(zg).view(T, H, K) * self.o_norm(o.to(x.dtype))).reshape(T, H * K)
         return self.o_proj(o), KDALayerState(S, conv_state)
 
     def forward_fused(
