@@ -3,8 +3,10 @@
 Per layer (``layer_types[l]``):
 - "kda": a `KDALayerState` (recurrent S [N, H, K, V] fp32 + short-conv state [N, 3HK, conv_size-1]).
   Its size is constant in the sequence length.
-- "mla": a list of N compressed latents c [L_n, R] (R = mla_kv_lora_rank), one per row. Nothing else
-  of MLA is cached: K and V are re-derived from c (or never materialised, absorbed decoding).
+- "mla": an `MLALatentCache`: the N rows' compressed latents c [L_n, R] (R = mla_kv_lora_rank) in one
+  padded buffer; `cache.layers[l][n]` is row n's latents [L_n, R]. Nothing else of MLA is cached: K and V
+  are re-derived from c (or never materialised, absorbed decoding). A decode step appends in place
+  (copy-on-write, so an older cache stays valid), amortised O(1) per token.
 
 AttnRes and the FFNs are per token and need no cache. Row n of the cache is sequence n of the packed
 input (cu_seqlens order); a forward appends each sequence's new tokens to its row and returns a NEW
@@ -21,13 +23,14 @@ import torch
 
 from model.config import OdysseyConfig
 from model.kda import KDALayerState
+from model.mla import MLALatentCache
 
-LayerCache = KDALayerState | list[torch.Tensor]
+LayerCache = KDALayerState | MLALatentCache
 
 
 @dataclass
 class OdysseyCache:
-    """layers[l]: KDALayerState (kda) or list of N latents [L_n, R] (mla); seq_lens: int64 [N] tokens held."""
+    """layers[l]: KDALayerState (kda) or MLALatentCache of N rows (mla); seq_lens: int64 [N] tokens held."""
 
     layer_types: list[str]
     layers: list[LayerCache]
@@ -44,8 +47,7 @@ class OdysseyCache:
             if t == "kda":
                 layers.append(KDALayerState.zeros(config, n, device=device, dtype=dtype))
             else:
-                layers.append([torch.zeros(0, config.mla_kv_lora_rank, device=device, dtype=dtype)
-                               for _ in range(n)])
+                layers.append(MLALatentCache.empty(n, config.mla_kv_lora_rank, device=device, dtype=dtype))
         return cls(list(config.layer_types), layers, torch.zeros(n, dtype=torch.long))
 
     @property
@@ -60,10 +62,7 @@ class OdysseyCache:
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1).cpu()
         if idx.numel() and (int(idx.min()) < -self.n or int(idx.max()) >= self.n):
             raise IndexError(f"cache select: indices {idx.tolist()} out of range for {self.n} rows")
-        rows = idx.tolist()
-        layers: list[LayerCache] = []
-        for t, layer in zip(self.layer_types, self.layers):
-            layers.append(layer.select(idx) if t == "kda" else [layer[i] for i in rows])
+        layers: list[LayerCache] = [layer.select(idx) for layer in self.layers]
         return OdysseyCache(list(self.layer_types), layers, self.seq_lens[idx].clone())
 
     @staticmethod
@@ -77,7 +76,7 @@ class OdysseyCache:
         layers: list[LayerCache] = []
         for l, t in enumerate(types):
             parts = [c.layers[l] for c in caches]
-            layers.append(KDALayerState.concat(parts) if t == "kda" else [x for p in parts for x in p])
+            layers.append(KDALayerState.concat(parts) if t == "kda" else MLALatentCache.concat(parts))
         return OdysseyCache(list(types), layers, torch.cat([c.seq_lens for c in caches]))
 
     def advanced(self, layers: list[LayerCache], new_tokens: list[int]) -> OdysseyCache:
@@ -86,14 +85,9 @@ class OdysseyCache:
                             self.seq_lens + torch.tensor(new_tokens, dtype=torch.long))
 
     def nbytes(self) -> int:
-        """Bytes held by all tensors of the cache."""
-        total = 0
-        for t, layer in zip(self.layer_types, self.layers):
-            if t == "kda":
-                total += layer.nbytes()
-            else:
-                total += sum(x.numel() * x.element_size() for x in layer)
-        return total
+        """Bytes of the cached state: KDA states plus each row's latents (an MLA buffer may hold spare
+        capacity on top, see `MLALatentCache.allocated_nbytes`)."""
+        return sum(layer.nbytes() for layer in self.layers)
 
 
 def cache_bytes(config: OdysseyConfig, n_tokens: int, latent_bytes: int = 2, conv_bytes: int = 2,

@@ -26,6 +26,8 @@ from collections import deque
 
 import torch
 
+_BATCH = 64  # forwards recorded per counting pass
+
 
 class ExpertLoadTracker:
     """Accumulates per-step expert token counts [n] and routing-weight entropy; keeps a window of steps."""
@@ -41,18 +43,29 @@ class ExpertLoadTracker:
         self._tokens = 0
         self._last: tuple[torch.Tensor, float, int] | None = None
         self._history: deque[torch.Tensor] = deque(maxlen=window)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.steps = 0
 
     @torch.no_grad()
     def record(self, topk_idx: torch.Tensor, weights: torch.Tensor) -> None:
-        """topk_idx [T, k] experts run per token, weights [T, k] their mixing weights."""
-        c = torch.bincount(topk_idx.reshape(-1).cpu(), minlength=self.n)
-        self._counts += c
-        p = weights.detach().float()
+        """topk_idx [T, k] experts run per token, weights [T, k] their mixing weights. Forwards are counted
+        in batches of `_BATCH` (decoding records one tiny forward per layer and token); every reader of the
+        counts flushes first."""
+        self._pending.append((topk_idx.detach(), weights.detach()))
+        if len(self._pending) >= _BATCH:
+            self._flush()
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        idx = torch.cat([i.reshape(-1) for i, _ in self._pending])
+        p = torch.cat([w.float().reshape(-1, self.k) for _, w in self._pending])
+        self._pending = []
+        self._counts += torch.bincount(idx, minlength=self.n).cpu()
         p = p / p.sum(dim=-1, keepdim=True).clamp(min=1e-30)
-        ent = -(p * p.clamp(min=1e-30).log()).sum(dim=-1)
-        self._entropy_sum += float(ent.sum())
-        self._tokens += topk_idx.shape[0]
+        self._entropy_sum += float(-(p * p.clamp(min=1e-30).log()).sum())
+        self._tokens += p.shape[0]
 
     @torch.no_grad()
     def all_reduce(self, process_group=None) -> None:
@@ -73,6 +86,7 @@ class ExpertLoadTracker:
 
     def close_step(self) -> None:
         """End the current step: it becomes the 'last step' and enters the dead-expert window."""
+        self._flush()
         if self._tokens == 0:
             return
         self._last = (self._counts.clone(), self._entropy_sum, self._tokens)
@@ -86,6 +100,7 @@ class ExpertLoadTracker:
 
     def metrics(self) -> dict[str, float | int | list[int]]:
         """Metrics of the most recent step (see module docstring); empty dict before any token."""
+        self._flush()
         if self._tokens:
             counts, ent_sum, tokens = self._counts, self._entropy_sum, self._tokens
         elif self._last is not None:

@@ -23,6 +23,7 @@ calling them, so o_t = S_t^T (K^-1/2 q_t) in the layer. Every name the layer fil
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +31,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import kda_chunk, kda_fla
+from model import fused_cpu, kda_chunk, kda_fla, kda_recurrent
+from model.fused_weights import ConcatWeight, small_linear
 from model.kda_chunk import MAX_TILE_LOG_DECAY, TILE
 from model.kda_reference import naive_chunk_kda, naive_recurrent_kda
 from model.norm import RMSNorm
-from model.short_conv import causal_short_conv, seq_lens_from_cu
+from model.short_conv import causal_short_conv_silu, seq_lens_from_cu
 
 
 # --------------------------------------------------------------------------------------------- gates
@@ -104,7 +106,69 @@ def chunk_kda(
     return kda_chunk.chunk_kda(*args)
 
 
+def kda_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA over whole sequences on the fastest backend for the tensors, `chunk_kda`'s contract (the layer's
+    entry point): fp32 on CPU, the recurrence itself in C++ with its own backward (model/kda_recurrent.py,
+    several times faster there than the chunkwise form; ODYSSEY_KDA_CPU_BACKEND=chunk turns it off);
+    otherwise `chunk_kda` (fla on CUDA, the torch chunkwise form elsewhere). g must come from `kda_gate`."""
+    if (q.device.type == "cpu" and os.environ.get("ODYSSEY_KDA_CPU_BACKEND", "recurrent") != "chunk"
+            and kda_recurrent.applies(q, k, v, g, beta, initial_state)):
+        return kda_recurrent.recurrent_kda(q, k, v, g, beta, initial_state, cu_seqlens)
+    return chunk_kda(q, k, v, g, beta, initial_state, chunk_size, cu_seqlens, check_decay_bound=False)
+
+
 # ------------------------------------------------------------------------------------------------ layer
+class _KdaGates(torch.autograd.Function):
+    """The layer's q/k L2 norms (q scaled by K^-1/2), decay gate and beta on fp32 CPU, one fused kernel each
+    way (model/fused_cpu.cpp `kda_gates`): act [T, 2HK + HV] = SiLU(conv) as [q | k | v], b [T, H] beta
+    logits, zf [T, HK] = W_fb W_fa x -> q, k, g [T, H, K], v [T, H, V], beta [T, H]."""
+
+    @staticmethod
+    def forward(ctx, act, b, zf, dt_bias, A_log, g_min: float, H: int, K: int):
+        act, b, zf = act.contiguous(), b.contiguous(), zf.contiguous()
+        ctx.save_for_backward(act, b, zf, dt_bias, A_log)
+        ctx.args = (g_min, H, K)
+        return tuple(fused_cpu.load().kda_gates(act, b, zf, dt_bias, A_log, g_min, H, K))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv, dg, dbeta):
+        act, b, zf, dt_bias, A_log = ctx.saved_tensors
+        _, H, K = ctx.args
+        T, V = act.shape[0], (act.shape[1] - 2 * H * K) // H
+        shapes = [(T, H, K), (T, H, K), (T, H, V), (T, H, K), (T, H)]
+        grads = [d.contiguous() if d is not None else act.new_zeros(s)
+                 for d, s in zip((dq, dk, dv, dg, dbeta), shapes)]
+        kernels = fused_cpu.load()
+        da, db, dzf, ddt, dal = kernels.kda_gates_backward(act, b, zf, dt_bias, A_log, *ctx.args, *grads)
+        return da, db, dzf, ddt, dal, None, None, None
+
+
+class _KdaOutput(torch.autograd.Function):
+    """sigmoid(zg) * RMSNorm_head(o) (weight w [V]) on fp32 CPU, one kernel each way (`kda_output`):
+    o [T, H, V], zg [T, HV] -> [T, HV]."""
+
+    @staticmethod
+    def forward(ctx, o, zg, w, eps: float):
+        y, r = fused_cpu.load().kda_output(o, zg, w, eps)
+        ctx.save_for_backward(o, zg, w, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        o, zg, w, r = ctx.saved_tensors
+        do, dzg, dw = fused_cpu.load().kda_output_backward(o, zg, w, r, dy.contiguous())
+        return do, dzg, dw, None
+
+
 @dataclass
 class KDALayerState:
     """Decode state of one KDA layer for N sequences.
@@ -202,6 +266,7 @@ class KDAttention(nn.Module):
         self.g_b_proj = nn.Linear(K, H * K, bias=True)
         self.o_norm = RMSNorm(K, eps=getattr(config, "rms_norm_eps", 1e-6))  # per head, weight [K] shared
         self.o_proj = nn.Linear(H * K, D, bias=False)
+        self._decode_in_weight = ConcatWeight()  # [W_q; W_k; W_v; W_b; W_fa; W_ga] for the fused decode step
         self.reset_gate_parameters()
 
     @torch.no_grad()
@@ -234,23 +299,35 @@ class KDAttention(nn.Module):
                 f"(expected recurrent [N, {H}, {K}, {K}]): select() the matching cache rows"
             )
 
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        mixed, conv_state = causal_short_conv(
+        if state is not None and all(n == 1 for n in lens):  # decode: one new token per sequence
+            fused = self.decode_step_fused(x, state)
+        else:
+            fused = self.forward_fused(x, lens, state)
+        if fused is not None:
+            return fused
+        mixed = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        mixed, conv_state = causal_short_conv_silu(  # SiLU(ShortConv(.)), fused on fp32 CPU
             mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state.conv
         )
-        q, k, v = F.silu(mixed).view(T, 3, H, K).unbind(1)
-        q = _l2norm(q) * K**-0.5  # the K^-1/2 query scale lives here, not in the kernels
-        k = _l2norm(k)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
-        z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        g = kda_gate(z.view(T, H, K), self.A_log, self.g_min)  # [T, H, K] fp32, >= g_min
+        fused = mixed.dtype == torch.float32 and mixed.is_cpu and fused_cpu.load() is not None
+        if fused:  # norms, decay gate and beta in one kernel forward and one backward (same formulas)
+            zf = self.f_b_proj(self.f_a_proj(x))
+            b = self.b_proj(x)
+            q, k, v, g, beta = _KdaGates.apply(mixed, b, zf, self.dt_bias, self.A_log, self.g_min, H, K)
+        else:
+            q, k, v = mixed.view(T, 3, H, K).unbind(1)
+            q = _l2norm(q) * K**-0.5  # the K^-1/2 query scale lives here, not in the kernels
+            k = _l2norm(k)
+            beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+            z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+            g = kda_gate(z.view(T, H, K), self.A_log, self.g_min)  # [T, H, K] fp32, >= g_min
 
         if state is not None and all(n == 1 for n in lens):  # decode: one new token per sequence
             o, S = fused_recurrent_kda_step(q, k, v, g, beta, state.recurrent)
         else:
-            # chunk_kda picks its precisions (tile matmuls in q's dtype, the rest fp32): no autocast inside
+            # kda_sequence picks its precisions (fp32 recurrence state): no autocast inside
             with torch.autocast(device_type=x.device.type, enabled=False):
-                o, S = chunk_kda(
+                o, S = kda_sequence(  # g >= g_min >= -5 by construction (checked in __init__)
                     q[None],
                     k[None],
                     v[None],
@@ -259,12 +336,64 @@ class KDAttention(nn.Module):
                     initial_state=None if state is None else state.recurrent,
                     chunk_size=self.chunk_size,
                     cu_seqlens=cu_seqlens,
-                    check_decay_bound=False,  # g >= g_min >= -5 by construction (checked in __init__)
                 )
             o = o[0]
-        gate = torch.sigmoid(self.g_b_proj(self.g_a_proj(x))).view(T, H, K)
-        o = (gate * self.o_norm(o.to(x.dtype))).reshape(T, H * K)
+        zg = self.g_b_proj(self.g_a_proj(x))
+        if fused and o.dtype == torch.float32:  # head norm and output gate: one kernel each way
+            o = _KdaOutput.apply(o.contiguous(), zg.contiguous(), self.o_norm.weight, self.o_norm.eps)
+        else:
+            o = (torch.sigmoid(zg).view(T, H, K) * self.o_norm(o.to(x.dtype))).reshape(T, H * K)
         return self.o_proj(o), KDALayerState(S, conv_state)
+
+    def forward_fused(
+        self, x: torch.Tensor, lens: list[int], state: KDALayerState | None
+    ) -> tuple[torch.Tensor, KDALayerState] | None:
+        """`forward` over packed sequences (lens, states or None) without autograd on fp32 CPU (prefill): one
+        matmul for the six input projections, two for the gates' rank-K up-projections, ONE fused kernel for
+        everything between them and the output projection (model/fused_cpu.cpp `kda_prefill`: short conv,
+        SiLU, norms, gates, the recurrence per (sequence, head), head norm, output gate). None (the caller
+        runs the torch path, the reference) unless it applies; ODYSSEY_KDA_CPU_BACKEND=chunk turns it off."""
+        tensors = [x, self.q_proj.weight, self.conv1d.weight]
+        tensors += [state.recurrent, state.conv] if state is not None else []
+        kernels = fused_cpu.applies(*tensors)
+        if kernels is None or os.environ.get("ODYSSEY_KDA_CPU_BACKEND", "recurrent") == "chunk":
+            return None
+        H, K = self.num_heads, self.head_dim
+        proj = x @ self._decode_in_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                          self.b_proj.weight, self.f_a_proj.weight, self.g_a_proj.weight)
+        fa = 3 * H * K + H
+        zf = small_linear(proj[:, fa:fa + K], self.f_b_proj)
+        zg = small_linear(proj[:, fa + K:fa + 2 * K], self.g_b_proj)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        empty = x.new_empty(0)
+        conv_w = self.conv1d.weight.view(self.conv1d.weight.shape[0], self.conv_size)
+        o, conv, S = kernels.kda_prefill(
+            proj, zf, zg, conv_w, state.conv.contiguous() if state else empty, cu, self.dt_bias, self.A_log,
+            self.g_min, self.o_norm.weight, self.o_norm.eps, state.recurrent.contiguous() if state else empty,
+            H, K, K)
+        return small_linear(o, self.o_proj), KDALayerState(S, conv)
+
+    def decode_step_fused(
+        self, x: torch.Tensor, state: KDALayerState
+    ) -> tuple[torch.Tensor, KDALayerState] | None:
+        """The decode step (one token per sequence, x [N, D]) as one matmul for the six input projections,
+        ONE fused CPU kernel for conv, norms, both gates (their rank-K up-projections included), recurrence
+        (1) and the head norm (model/fused_cpu.cpp `kda_decode`), and the output projection. Returns None
+        (the caller runs the torch path, the reference) unless every tensor is fp32 on CPU and no gradient is
+        needed."""
+        kernels = fused_cpu.applies(x, state.recurrent, state.conv, self.q_proj.weight, self.conv1d.weight)
+        if kernels is None:
+            return None
+        w_in = self._decode_in_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                      self.b_proj.weight, self.f_a_proj.weight, self.g_a_proj.weight)
+        proj = x @ w_in  # [N, 3HK + H + 2K]
+        conv_w = self.conv1d.weight.view(self.conv1d.weight.shape[0], self.conv_size)
+        o, conv, S = kernels.kda_decode(proj, self.f_b_proj.weight, self.g_b_proj.weight, self.g_b_proj.bias,
+                                        conv_w, state.conv.contiguous(), self.dt_bias, self.A_log, self.g_min,
+                                        self.o_norm.weight, self.o_norm.eps, state.recurrent.contiguous())
+        return small_linear(o, self.o_proj), KDALayerState(S, conv)
 
 
 __all__ = [
@@ -276,6 +405,7 @@ __all__ = [
     "fused_recurrent_kda_step",
     "initial_dt_bias",
     "kda_gate",
+    "kda_sequence",
     "naive_chunk_kda",
     "naive_recurrent_kda",
     "unbounded_kda_gate",

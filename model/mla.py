@@ -16,20 +16,33 @@ Two equal ways to compute o (tests/test_mla.py checks they agree):
       q~_h = W_uk,h^T q_h  [R],   o~_h = softmax(q~_h . c_j / sqrt(Dh)) c_j  [R],   o_h = W_uv,h o~_h
   which never materialises per-head K/V (used when attending to a cached latent, i.e. decoding).
 
-Long inputs: attention is computed in query chunks sized so one chunk's score tensor [H, C, L] stays
-under `_SCORE_BUDGET` elements; a [T, T] score matrix is never built for long T.
+Kernels: every attention call is a 4-D `scaled_dot_product_attention` [B, H, t, d], which on CPU takes the
+flash kernel forward and backward (3-D inputs fall back to the math kernel, which builds the [t, L] score
+matrix: 8x slower at 4K). Without a cache, consecutive sequences of equal length run as one batch with
+`is_causal` (flash never builds a score matrix). With a cached prefix the causal mask is explicit and the
+queries go in chunks whose [H, C, L] mask stays under `_SCORE_BUDGET` elements. A decode step (one new
+token per sequence, absorbed) is ONE masked call over the padded latent buffer of `MLALatentCache`.
+
+Cache: `MLALatentCache`, the N sequences' latents in one padded buffer [N, capacity, R] that a decode step
+appends to in place (amortised O(1) per token instead of re-concatenating the whole row); indexing it gives
+row n's latents [L_n, R], as the list of latents it replaces did.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import fused_cpu
 from model.config import OdysseyConfig
+from model.fused_weights import ConcatWeight, small_linear
 from model.norm import RMSNorm
+from model.short_conv import seq_lens_from_cu
 
-_SCORE_BUDGET = 1 << 25  # max elements of one chunk's [H, C, L] attention scores (128 MiB in fp32)
+_SCORE_BUDGET = 1 << 25  # max elements of one chunk's [H, C, L] attention mask (with a cached prefix)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float,
@@ -45,28 +58,192 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: 
         raise ValueError(f"causal_attention: keys ({L}) must be prefix ({prefix}) + queries ({t})")
     if t == 0:
         return q.new_zeros(0, H, v.shape[-1])
-    qh = q.transpose(0, 1)  # [H, t, dk]
-    kh = k.transpose(0, 1).expand(H, L, k.shape[-1])  # [H, L, dk] (a view when Hk = 1)
-    vh = v.transpose(0, 1).expand(H, L, v.shape[-1])
+    qh = q.transpose(0, 1)[None]  # [1, H, t, dk]: 4-D, so that SDPA takes the flash kernel
+    kh = k.transpose(0, 1)[None].expand(1, H, L, k.shape[-1])  # a view when Hk = 1
+    vh = v.transpose(0, 1)[None].expand(1, H, L, v.shape[-1])
+    if prefix == 0:
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
     chunk = max(1, min(t, score_budget // max(1, H * L)))
-    if prefix == 0 and chunk >= t:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-        return o.transpose(0, 1)
     outs = []
     for s in range(0, t, chunk):
         e = min(t, s + chunk)
         kv_len = prefix + e
         qpos = prefix + torch.arange(s, e, device=q.device)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= qpos[:, None]  # [C, kv_len], True = attend
-        outs.append(F.scaled_dot_product_attention(qh[:, s:e], kh[:, :kv_len], vh[:, :kv_len],
+        outs.append(F.scaled_dot_product_attention(qh[:, :, s:e], kh[:, :, :kv_len], vh[:, :, :kv_len],
                                                    attn_mask=mask, scale=scale))
-    return torch.cat(outs, dim=1).transpose(0, 1)
+    return torch.cat(outs, dim=2)[0].transpose(0, 1)
+
+
+def latent_decode_attention(q_lat: torch.Tensor, latents: torch.Tensor, lens: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """One decode step of absorbed MLA for N sequences: MQA of each sequence's query over its own latents.
+
+    q_lat [N, H, R] (W_uk^T q), latents [N, L, R] (row n valid up to lens[n], the new token included;
+    positions >= lens[n] are ignored), lens int [N] >= 1. Returns o~ [N, H, R]:
+    o~_nh = sum_{j < lens_n} softmax_j(q~_nh . c_nj * scale) c_nj.
+    """
+    N, H, R = q_lat.shape
+    L = latents.shape[1]
+    kv = latents[:, None].expand(N, H, L, R)
+    mask = (torch.arange(L, device=latents.device) < lens.to(latents.device)[:, None])[:, None, None]
+    o = F.scaled_dot_product_attention(q_lat[:, :, None], kv, kv, attn_mask=mask, scale=scale)
+    return o[:, :, 0]
+
+
+class _Tail:
+    """Shared by the MLALatentCache views of one buffer: filled[n] = positions of row n written so far."""
+
+    __slots__ = ("filled",)
+
+    def __init__(self, filled: list[int]) -> None:
+        self.filled = filled
+
+
+class MLALatentCache(Sequence):
+    """The MLA decode cache of N sequences: latents c in one buffer [N, capacity, R]; row n holds lens[n].
+
+    It is a sequence of N tensors: `cache[n]` is row n's latents [L_n, R] (a view), as the list of latents
+    it replaces. `appended(c, new_lens)` returns the cache with new latents added; when the buffer has room
+    and no other cache built on this buffer has appended to the same rows (copy-on-write), the new latents
+    are written in place, so token-by-token decoding costs O(1) per token (capacity doubles when full).
+    The old cache stays valid either way: it only ever reads its own lens[n] positions.
+    """
+
+    def __init__(self, buffer: torch.Tensor, lens: list[int], tail: _Tail | None = None) -> None:
+        if buffer.dim() != 3 or buffer.shape[0] != len(lens):
+            raise ValueError(f"MLALatentCache: buffer must be [N={len(lens)}, capacity, R], got "
+                             f"{tuple(buffer.shape)}")
+        self.buffer = buffer
+        self.lens = list(lens)
+        self._tail = tail if tail is not None else _Tail(list(lens))
+        self._lens_t: torch.Tensor | None = None
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def empty(cls, n: int, rank: int, device: torch.device | str | None = None,
+              dtype: torch.dtype = torch.float32) -> MLALatentCache:
+        return cls(torch.zeros(n, 0, rank, device=device, dtype=dtype), [0] * n)
+
+    @classmethod
+    def from_latents(cls, latents: Sequence[torch.Tensor]) -> MLALatentCache:
+        """From a list of N latents [L_n, R] (the former cache format); copies them into one buffer."""
+        if isinstance(latents, MLALatentCache):
+            return latents
+        if not latents:
+            raise ValueError("MLALatentCache.from_latents needs at least one row (or use .empty(0, R))")
+        lens = [int(c.shape[0]) for c in latents]
+        R = latents[0].shape[-1]
+        buf = latents[0].new_zeros(len(latents), max(lens), R)
+        for n, c in enumerate(latents):
+            buf[n, : lens[n]] = c
+        return cls(buf, lens)
+
+    # ---- sequence protocol ----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def __getitem__(self, n):
+        if isinstance(n, slice):
+            return [self[i] for i in range(*n.indices(len(self)))]
+        return self.buffer[n, : self.lens[n]]
+
+    @property
+    def lens_tensor(self) -> torch.Tensor:
+        """lens as int64 [N] on the buffer's device (built once per cache)."""
+        if self._lens_t is None:
+            self._lens_t = torch.tensor(self.lens, dtype=torch.long, device=self.buffer.device)
+        return self._lens_t
+
+    @property
+    def rank(self) -> int:
+        return int(self.buffer.shape[-1])
+
+    def nbytes(self) -> int:
+        """Bytes of the cached latents (sum of L_n x R); the buffer may hold spare capacity on top."""
+        return sum(self.lens) * self.rank * self.buffer.element_size()
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of the whole buffer, spare capacity included."""
+        return self.buffer.numel() * self.buffer.element_size()
+
+    # ---- row operations (always copies) ---------------------------------------------------------
+    def select(self, idx: torch.Tensor | list[int]) -> MLALatentCache:
+        """Rows idx, in that order (copied into a buffer of exactly their longest length)."""
+        N = len(self.lens)
+        rows = [r + N if r < 0 else r for r in torch.as_tensor(idx, dtype=torch.long).reshape(-1).tolist()]
+        lens = [self.lens[i] for i in rows]
+        width = max(lens, default=0)
+        ix = torch.tensor(rows, dtype=torch.long, device=self.buffer.device)
+        return MLALatentCache(self.buffer[:, :width].index_select(0, ix), lens)
+
+    @staticmethod
+    def concat(caches: list[MLALatentCache]) -> MLALatentCache:
+        """Rows of all caches, in order (copied into one buffer)."""
+        width = max((max(c.lens, default=0) for c in caches), default=0)
+        parts = [F.pad(c.buffer[:, :width], (0, 0, 0, width - min(width, c.buffer.shape[1]))) for c in caches]
+        return MLALatentCache(torch.cat(parts), [n for c in caches for n in c.lens])
+
+    # ---- append ---------------------------------------------------------------------------------
+    def appended(self, c: torch.Tensor, new: list[int]) -> MLALatentCache:
+        """The cache with new[n] latents appended to row n; c [sum(new), R] packed in row order."""
+        N = len(self.lens)
+        if len(new) != N:
+            raise ValueError(f"MLALatentCache.appended: {len(new)} row lengths for a cache of {N} rows")
+        lens = [a + b for a, b in zip(self.lens, new)]
+        need = max(lens, default=0)
+        buf = self.buffer
+        grad = torch.is_grad_enabled() and (c.requires_grad or buf.requires_grad)
+        in_place = (
+            not grad
+            and buf.dtype == c.dtype
+            and need <= buf.shape[1]
+            and (torch.is_inference_mode_enabled() or not buf.is_inference())
+            and all(self._tail.filled[n] == self.lens[n] for n in range(N) if new[n])
+        )
+        if in_place:
+            tail = self._tail
+        else:  # a new buffer: grow geometrically so that a token-by-token decode copies O(log L) times
+            cap = need if grad or buf.shape[1] == 0 else max(need, 2 * buf.shape[1])
+            width = max(self.lens, default=0)
+            old = buf[:, :width].to(c.dtype)
+            buf = torch.cat([old, old.new_zeros(N, cap - width, buf.shape[-1])], 1) if cap > width else old
+            tail = _Tail(list(self.lens))
+        if c.shape[0]:
+            if all(t == 1 for t in new):
+                rows = torch.arange(N, device=buf.device)
+                pos = self.lens_tensor if self.buffer.device == buf.device else None
+                pos = pos if pos is not None else torch.tensor(self.lens, device=buf.device)
+            else:
+                rows = torch.repeat_interleave(torch.arange(N, device=buf.device),
+                                               torch.tensor(new, device=buf.device))
+                starts = [a - s for a, s in zip(self.lens, _cumsum_excl(new))]  # row end minus offset in c
+                starts = torch.tensor(starts, device=buf.device)
+                pos = starts[rows] + torch.arange(c.shape[0], device=buf.device)
+            if grad:
+                buf = buf.index_put((rows, pos), c)
+            else:
+                buf.index_put_((rows, pos), c)
+        for n in range(N):
+            if new[n]:
+                tail.filled[n] = lens[n]
+        out = MLALatentCache(buf, lens, tail)
+        return out
+
+
+def _cumsum_excl(xs: list[int]) -> list[int]:
+    out, s = [], 0
+    for x in xs:
+        out.append(s)
+        s += x
+    return out
 
 
 class GatedMLA(nn.Module):
     """Gated MLA layer. forward(x [T, D], cu_seqlens [N+1], past) -> (y [T, D], present | None).
 
-    past / present: the decode cache of this layer, a list of N latents [L_n, R] (one per sequence).
+    past / present: the decode cache of this layer, an `MLALatentCache` of N rows (a list of N latents
+    [L_n, R] is accepted as past too).
     """
 
     def __init__(self, config: OdysseyConfig, layer_idx: int) -> None:
@@ -89,6 +266,7 @@ class GatedMLA(nn.Module):
         self.g_proj = nn.Linear(D, HD, bias=False)  # W_g, per-channel output gate
         self.o_proj = nn.Linear(HD, D, bias=False)
         self.scale = self.head_dim ** -0.5
+        self._decode_in_weight = ConcatWeight()  # [W_q (or W_dq); W_dkv; W_g]: `decode_step_fused`
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> q [T, H, Dh]."""
@@ -99,11 +277,16 @@ class GatedMLA(nn.Module):
         """x [T, D] -> c = RMSNorm(W_dkv x) [T, R]."""
         return self.kv_a_norm(self.kv_a_proj(x))
 
-    def attend_naive(self, q: torch.Tensor, c: torch.Tensor, prefix: int) -> torch.Tensor:
-        """Decompress K, V from c [L, R] and run MHA. q [t, H, Dh] -> o [t, H, Dh]."""
+    def decompress_kv(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """c [L, R] -> k, v [L, H, Dh]."""
         L = c.shape[0]
         k = self.k_b_proj(c).view(L, self.num_heads, self.head_dim)
         v = self.v_b_proj(c).view(L, self.num_heads, self.head_dim)
+        return k, v
+
+    def attend_naive(self, q: torch.Tensor, c: torch.Tensor, prefix: int) -> torch.Tensor:
+        """Decompress K, V from c [L, R] and run MHA. q [t, H, Dh] -> o [t, H, Dh]."""
+        k, v = self.decompress_kv(c)
         return causal_attention(q, k, v, prefix, self.scale)
 
     def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
@@ -129,41 +312,104 @@ class GatedMLA(nn.Module):
         """y = W_o [sigmoid(W_g x) * o]: x [T, D], o [T, H*Dh] -> [T, D]."""
         return self.o_proj(torch.sigmoid(self.g_proj(x)) * o)
 
+    def attend_fresh(self, q: torch.Tensor, c: torch.Tensor, lens: list[int], absorb: bool) -> torch.Tensor:
+        """Causal attention of packed sequences without a cache: q [T, H, Dh], c [T, R] -> o [T, H, Dh].
+
+        Each run of consecutive sequences of equal length is one batched SDPA call [n, H, L, d] with
+        is_causal (flash kernel, no score matrix).
+        """
+        T, H = q.shape[:2]
+        if absorb:
+            q, k = self.absorb_query(q), c[:, None].expand(T, H, c.shape[-1])
+            v = k
+        else:
+            k, v = self.decompress_kv(c)
+        outs, s, i = [], 0, 0
+        while i < len(lens):
+            L, j = lens[i], i
+            while j < len(lens) and lens[j] == L:
+                j += 1
+            n, e = j - i, s + (j - i) * L
+            if L:
+                qh, kh, vh = (t[s:e].view(n, L, H, t.shape[-1]).transpose(1, 2) for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
+                outs.append(o.transpose(1, 2).reshape(n * L, H, o.shape[-1]))
+            s, i = e, j
+        o = torch.cat(outs) if len(outs) > 1 else outs[0] if outs else q.new_zeros(0, H, v.shape[-1])
+        return self.expand_output(o) if absorb else o
+
     def forward(
         self,
         x: torch.Tensor,
         cu_seqlens: torch.Tensor,
-        past: list[torch.Tensor] | None = None,
+        past: MLALatentCache | list[torch.Tensor] | None = None,
         absorb: bool | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """x [T, D], cu_seqlens int [N+1], past: N latents [P_n, R] or None.
+    ) -> tuple[torch.Tensor, MLALatentCache | None]:
+        """x [T, D], cu_seqlens int [N+1], past: N sequences' MLALatentCache (or latents [P_n, R]) or None.
 
         absorb: None = absorbed path iff there is cached context (decoding), else naive.
-        Returns y [T, D] and, when `past` is given, present = [cat(past_n, c_n)] (N latents); else None.
+        Returns y [T, D] and, when `past` is given, present = past with each sequence's c appended; else None.
         """
         T = x.shape[0]
-        cu = cu_seqlens.tolist()
-        N = len(cu) - 1
+        lens = seq_lens_from_cu(cu_seqlens, T)
+        N = len(lens)
         if past is not None and len(past) != N:
             raise ValueError(f"MLA layer {self.layer_idx}: cache has {len(past)} rows but cu_seqlens "
                              f"describes {N} sequences; select/concat the cache to match the batch")
         q = self.project_q(x)
         c = self.compress_kv(x)
+        if past is None:
+            o = self.attend_fresh(q, c, lens, bool(absorb))
+            return self.gated_output(x, o.reshape(T, -1)), None
+        past = MLALatentCache.from_latents(past) if not isinstance(past, MLALatentCache) else past
         if absorb is None:
-            absorb = past is not None and any(p.shape[0] > 0 for p in past)
-        attend = self.attend_absorbed if absorb else self.attend_naive
-        outs, present = [], [] if past is not None else None
-        for n in range(N):
-            s, e = cu[n], cu[n + 1]
-            c_n = c[s:e]
-            prefix = 0
-            if past is not None:
-                prefix = past[n].shape[0]
-                c_n = torch.cat([past[n].to(c.dtype), c_n]) if prefix else c_n
-                present.append(c_n)
-            outs.append(attend(q[s:e], c_n, prefix))
-        o = torch.cat(outs).reshape(T, self.num_heads * self.head_dim)
-        return self.gated_output(x, o), present
+            absorb = any(past.lens)
+        if absorb and N and all(n == 1 for n in lens):
+            fused = self.decode_step_fused(x, past)
+            if fused is not None:
+                return fused
+        present = past.appended(c, lens)
+        if absorb and N and all(n == 1 for n in lens):  # decode step: one masked call over the buffer
+            width = max(present.lens)
+            o_lat = latent_decode_attention(self.absorb_query(q), present.buffer[:, :width],
+                                            present.lens_tensor, self.scale)
+            o = self.expand_output(o_lat)
+        else:
+            attend = self.attend_absorbed if absorb else self.attend_naive
+            outs, s = [], 0
+            for n in range(N):
+                e = s + lens[n]
+                if e > s:
+                    outs.append(attend(q[s:e], present[n], past.lens[n]))
+                s = e
+            o = torch.cat(outs) if outs else q.new_zeros(0, self.num_heads, self.head_dim)
+        return self.gated_output(x, o.reshape(T, -1)), present
+
+    def decode_step_fused(
+        self, x: torch.Tensor, past: MLALatentCache
+    ) -> tuple[torch.Tensor, MLALatentCache] | None:
+        """The absorbed decode step (one token per sequence, x [N, D]): ONE matmul for the q, latent and gate
+        projections, ONE fused CPU kernel for the latent norm, q~ = W_uk^T q, the softmax over the cached
+        latents and the new one, W_uv o~ and the gate (model/fused_cpu.cpp `mla_decode`), the output
+        projection; the same math as `forward`. None (the caller runs `forward`'s path) unless x and the
+        weights are fp32 on CPU and no gradient is needed, or if there is no cached latent to attend to."""
+        if not isinstance(past, MLALatentCache) or not any(past.lens):
+            return None
+        kernels = fused_cpu.applies(x, self.kv_a_proj.weight, past.buffer)
+        if kernels is None:
+            return None
+        N, R = x.shape[0], self.kv_lora_rank
+        q_w = self.q_a_proj.weight if self.q_lora_rank > 0 else self.q_proj.weight
+        proj = x @ self._decode_in_weight(q_w, self.kv_a_proj.weight, self.g_proj.weight)
+        nq = q_w.shape[0]
+        q = proj[:, :nq]
+        if self.q_lora_rank > 0:
+            q = small_linear(self.q_a_norm(q), self.q_b_proj)
+        buffer = past.buffer if past.buffer.is_contiguous() else past.buffer.contiguous()
+        o, c = kernels.mla_decode(q, proj[:, nq:nq + R], proj[:, nq + R:], self.kv_a_norm.weight,
+                                  self.kv_a_norm.eps, self.k_b_proj.weight, self.v_b_proj.weight, buffer,
+                                  past.lens, self.num_heads, self.scale)
+        return small_linear(o, self.o_proj), past.appended(c, [1] * N)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, head_dim={self.head_dim}, "

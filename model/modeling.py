@@ -37,12 +37,14 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrained
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
+from model import fused_cpu
 from model.attn_res import AttnResRead, AttnResStream, BlockAttnRes
 from model.cache import LayerCache, OdysseyCache
 from model.config import OdysseyConfig
 from model.ffn import DenseFFN
+from model.fused_weights import small_linear
 from model.kda import KDAttention, initial_dt_bias
-from model.mla import GatedMLA
+from model.mla import GatedMLA, MLALatentCache
 from model.moe import LatentMoE, Router, aggregate_load_metrics
 from model.norm import RMSNorm
 from model.short_conv import seq_lens_from_cu
@@ -88,7 +90,11 @@ class OdysseyDecoderLayer(nn.Module):
     def mix(self, h: torch.Tensor, cu_seqlens: torch.Tensor, layer_cache: LayerCache | None,
             keep_cache: bool) -> tuple[torch.Tensor, LayerCache | None]:
         """Mixer sublayer on the AttnRes read h [T, D] -> (a [T, D], new layer cache or None)."""
-        x = self.attn_norm(h)
+        return self.mix_normed(self.attn_norm(h), cu_seqlens, layer_cache, keep_cache)
+
+    def mix_normed(self, x: torch.Tensor, cu_seqlens: torch.Tensor, layer_cache: LayerCache | None,
+                   keep_cache: bool) -> tuple[torch.Tensor, LayerCache | None]:
+        """`mix` after its RMSNorm: x = attn_norm(h) [T, D]."""
         if self.layer_type == "kda":
             a, state = self.mixer(x, cu_seqlens, layer_cache)
             return a, (state if keep_cache else None)
@@ -98,7 +104,11 @@ class OdysseyDecoderLayer(nn.Module):
 
     def ffn(self, h: torch.Tensor, replay: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """FFN sublayer on the AttnRes read h [T, D] -> (f [T, D], topk_idx [T, k] | None)."""
-        x = self.ffn_norm(h)
+        return self.ffn_normed(self.ffn_norm(h), replay)
+
+    def ffn_normed(self, x: torch.Tensor, replay: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`ffn` after its RMSNorm: x = ffn_norm(h) [T, D]."""
         if self.is_moe:
             return self.mlp(x, replay)
         return self.mlp(x), None
@@ -107,9 +117,11 @@ class OdysseyDecoderLayer(nn.Module):
                 keep_cache: bool = False, replay: torch.Tensor | None = None,
                 ) -> tuple[LayerCache | None, torch.Tensor | None]:
         """Advance the AttnRes stream by this layer. Returns (new layer cache | None, topk_idx | None)."""
-        a, new_cache = self.mix(self.attn_res.read_attn(stream), cu_seqlens, layer_cache, keep_cache)
+        # each read comes with its sublayer's RMSNorm (one fused call without autograd on CPU)
+        x = self.attn_res.read_attn(stream, self.attn_norm)
+        a, new_cache = self.mix_normed(x, cu_seqlens, layer_cache, keep_cache)
         stream.add(a)
-        f, topk = self.ffn(self.attn_res.read_ffn(stream), replay)
+        f, topk = self.ffn_normed(self.attn_res.read_ffn(stream, self.ffn_norm), replay)
         stream.add(f)
         self.attn_res.end_layer(stream)
         return new_cache, topk
@@ -186,7 +198,12 @@ class OdysseyModel(OdysseyPreTrainedModel):
         return_routed_experts: bool = False,
     ) -> tuple[torch.Tensor, list[LayerCache] | None, torch.Tensor | None, torch.Tensor | None]:
         """Packed input_ids [T], cu_seqlens int32 [N+1] -> (hidden [T, D], new layer caches | None,
-        routed_experts [T, n_moe, k] | None, aux_loss | None). Inputs are assumed validated."""
+        routed_experts [T, n_moe, k] | None, aux_loss | None). Inputs are assumed validated.
+
+        A decode step (a cache, one new token per sequence) without autograd on fp32 CPU runs `decode_step`,
+        the same layers through their fused small-batch paths."""
+        if cache is not None and self._decode_eligible(input_ids, cu_seqlens, cache):
+            return self.decode_step(input_ids, cu_seqlens, cache, replay_experts, return_routed_experts)
         stream = AttnResStream([self.embed_tokens(input_ids)])
         keep = cache is not None
         new_layers: list[LayerCache] | None = [] if keep else None
@@ -209,7 +226,7 @@ class OdysseyModel(OdysseyPreTrainedModel):
                     routed.append(topk)
                 if layer_aux is not None:
                     aux = layer_aux if aux is None else aux + layer_aux
-        h = self.norm(self.final_read(stream.sources()))
+        h = self.final_read.read(stream, self.norm)
         routed_t = torch.stack(routed, dim=1) if routed else None
         return h, new_layers, routed_t, aux
 
@@ -226,12 +243,60 @@ class OdysseyModel(OdysseyPreTrainedModel):
             return out, topk, layer.mlp.aux_loss if layer.is_moe else None
 
         out, topk, aux = self._gradient_checkpointing_func(run, stream.partial, replay, *stream.blocks)
-        if (layer.layer_idx + 1) % layer.attn_res.block_size == 0:
-            stream.blocks.append(out)
-            stream.partial = None
-        else:
-            stream.partial = out
+        stream.set_open(out, seal=(layer.layer_idx + 1) % layer.attn_res.block_size == 0)
         return topk, aux
+
+    def _decode_eligible(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: OdysseyCache
+                         ) -> bool:
+        """One token for each of the cache's rows, fp32 CPU without autograd, and every MLA layer attending
+        to a cached latent (the absorbed form, as `GatedMLA.forward` picks it)."""
+        n = input_ids.shape[0]
+        if n == 0 or cache.n != n or fused_cpu.applies(self.embed_tokens.weight) is None:
+            return False
+        if seq_lens_from_cu(cu_seqlens, n) != [1] * n:
+            return False
+        return all(isinstance(c, MLALatentCache) and any(c.lens)
+                   for t, c in zip(cache.layer_types, cache.layers) if t == "mla")
+
+    def decode_step(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        cache: OdysseyCache,
+        replay_experts: torch.Tensor | None = None,
+        return_routed_experts: bool = False,
+    ) -> tuple[torch.Tensor, list[LayerCache], torch.Tensor | None, torch.Tensor | None]:
+        """`forward` for one new token per cached sequence (input_ids [N], N = cache.n), layer by layer as in
+        `OdysseyDecoderLayer.forward`, calling each sublayer's small-batch path directly: AttnRes read fused
+        with the RMSNorm after it, `decode_step_fused` of KDA / MLA, `LatentMoE.forward_small`. A sublayer
+        whose fused path does not apply runs its generic forward; the result is the same either way
+        (tests/test_modeling.py checks decode_step against the layer-by-layer forward)."""
+        stream = AttnResStream([self.embed_tokens(input_ids)])
+        new_layers: list[LayerCache] = []
+        routed, aux, j = [], None, 0
+        for l, layer in enumerate(self.layers):
+            past = cache.layers[l]
+            x = layer.attn_res.read_attn(stream, layer.attn_norm)
+            out = layer.mixer.decode_step_fused(x, past)
+            a, new_cache = out if out is not None else layer.mix_normed(x, cu_seqlens, past, True)
+            stream.add(a)
+            new_layers.append(new_cache)
+            x = layer.attn_res.read_ffn(stream, layer.ffn_norm)
+            if layer.is_moe:
+                replay = replay_experts[:, j] if replay_experts is not None else None
+                j += 1
+                small = layer.mlp.forward_small(x, replay)
+                f, topk = small if small is not None else layer.mlp(x, replay)
+                if return_routed_experts:
+                    routed.append(topk)
+                if layer.mlp.aux_loss is not None:
+                    aux = layer.mlp.aux_loss if aux is None else aux + layer.mlp.aux_loss
+            else:
+                f = layer.mlp(x)
+            stream.add(f)
+            layer.attn_res.end_layer(stream)
+        h = self.final_read.read(stream, self.norm)
+        return h, new_layers, torch.stack(routed, dim=1) if routed else None, aux
 
 
 def _chunk_logprobs(h: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -267,6 +332,14 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_head(h) for the few positions a decode step samples from, h [n, D] -> [n, V]: without autograd
+        through a cached transposed head weight (about twice as fast for a few rows), else lm_head(h)."""
+        grad = torch.is_grad_enabled() and (h.requires_grad or self.lm_head.weight.requires_grad)
+        if h.dim() == 2 and not grad:
+            return small_linear(h, self.lm_head)
+        return self.lm_head(h)
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.embed_tokens = value

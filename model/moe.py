@@ -13,7 +13,12 @@ with stacked weights w_gate_up [n, 2I, L] (gate rows first, vLLM's w13 layout) a
 
 Dispatch: flatten the T*k (token, expert) pairs, sort by expert, gather the latent rows once, run
 one [c_e, L] x [L, 2I] and one [c_e, I] x [I, L] matmul per non-empty expert on its contiguous
-segment, scale by p and index_add back into [T, L]. There is no loop over tokens.
+segment, scale by p and index_add back into [T, L]. There is no loop over tokens. When the experts' loads
+are close enough (padding to the largest count costs <= 2x rows), the segments go into one zero-padded
+[n, max count, L] block instead and all experts run as two batched matmuls (far fewer, larger ops).
+A small batch without autograd (decoding: at most 4 pairs per expert on average) takes `forward_small`:
+one matmul for every projection of x, then fused CPU kernels for routing and experts (model/fused_cpu.cpp,
+same math; only the chosen experts' weights are read).
 `dense_reference_forward` is the slow oracle: every expert on every token, masked by p.
 
 Routing replay (R3): `replay_experts` [T, k] forces T (any integer dtype); p is still computed from
@@ -36,7 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from model.activations import situ_glu
+from model import fused_cpu
+from model.activations import situ_glu, situ_glu_gu
 from model.balancing import (
     BALANCING_METHODS,
     QuantileStats,
@@ -45,7 +51,16 @@ from model.balancing import (
 )
 from model.expert_load import ExpertLoadTracker
 from model.ffn import DenseFFN
+from model.fused_weights import ConcatWeight
 from model.norm import RMSNorm
+
+# Up to this many (token, expert) pairs per expert on average, the no-autograd fp32 CPU path runs the
+# experts in one fused call that reads each chosen expert's weights in place (gemv per pair); above it, one
+# matmul pair per expert segment reuses the weights better.
+_FUSED_PAIRS_PER_EXPERT = 4
+# `dispatch` runs all experts as two batched matmuls over an [n, max count, L] block when the padding costs at
+# most this factor in rows (balanced routing: ~1.2x); otherwise one matmul pair per expert segment.
+_PADDED_WASTE = 2.0
 
 
 def latent_expert(w_gate_up: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -170,6 +185,8 @@ class LatentMoE(nn.Module):
         self._quantile = QuantileStats(k)
         self._sign = SignStats(n)
         self.load_tracker = ExpertLoadTracker(n, k, int(config.moe_load_window))
+        self._small_in_weight = ConcatWeight()  # [W_r; W_down; shared W_gate; W_up ...]: `forward_small`
+        self._small_out_weight = ConcatWeight(dim=1)  # [W_up | shared W_down ...]
         self.reset_parameters()
 
     @torch.no_grad()
@@ -204,16 +221,28 @@ class LatentMoE(nn.Module):
         flat = topk_idx.reshape(-1)
         order = flat.argsort(stable=True)  # [T*k] pairs grouped by expert
         tok = order // k  # token of each sorted pair
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        counts_t = torch.bincount(flat, minlength=self.n_experts)
+        counts = counts_t.tolist()
         zs = z.index_select(0, tok)  # [T*k, L]
+        p_sorted = weights.reshape(-1)[order].to(z.dtype).unsqueeze(-1)
+        n, cap = self.n_experts, max(counts)
+        if n * cap <= _PADDED_WASTE * T * k:
+            # every expert at once: the sorted pairs in an [n, cap, L] block (zero rows pad each expert to the
+            # largest count), two batched matmuls against the stacked weights, then the real rows back
+            sorted_e = flat[order]
+            slot = torch.arange(T * k, device=z.device) - (counts_t.cumsum(0) - counts_t)[sorted_e]
+            dest = sorted_e * cap + slot  # row of each sorted pair in the padded block
+            zp = z.new_zeros(n * cap, self.latent_dim).index_copy(0, dest, zs).view(n, cap, -1)
+            a = situ_glu_gu(torch.bmm(zp, self.w_gate_up.transpose(1, 2)).view(n * cap, -1))
+            y = torch.bmm(a.view(n, cap, -1), self.w_down_experts.transpose(1, 2)).view(n * cap, -1)
+            return out.index_add(0, tok, y.index_select(0, dest) * p_sorted)
         # split (not slicing): its backward concatenates the segment grads once, whereas every slice's
         # backward would materialise a full-size [T*k, L] zero tensor
         # and unbind (not w[e]): one stacking backward instead of a full-size [n, ...] grad per expert
         w_gu, w_d = self.w_gate_up.unbind(0), self.w_down_experts.unbind(0)
-        parts = [latent_expert(w_gu[e], w_d[e], seg)
+        parts = [situ_glu_gu(seg @ w_gu[e].t()) @ w_d[e].t()  # latent_expert, with the fused activation
                  for e, seg in enumerate(zs.split(counts)) if seg.shape[0]]
-        h = torch.cat(parts) * weights.reshape(-1)[order].to(z.dtype).unsqueeze(-1)
-        return out.index_add(0, tok, h)
+        return out.index_add(0, tok, torch.cat(parts) * p_sorted)
 
     def forward(
         self, x: torch.Tensor, replay_experts: torch.Tensor | None = None
@@ -223,6 +252,10 @@ class LatentMoE(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if replay_experts is not None:
             replay_experts = replay_experts.reshape(-1, replay_experts.shape[-1])
+        small = self.forward_small(x2, replay_experts)
+        if small is not None:
+            y, idx = small
+            return y.reshape(*lead, y.shape[-1]), idx.reshape(*lead, self.k)
         scores, idx, p = self.router(x2, replay_experts)
         self._observe(scores, idx, p)
         z = self.latent_down(x2)
@@ -230,6 +263,36 @@ class LatentMoE(nn.Module):
         for shared in self.shared_experts:
             y = y + shared(x2)
         return y.reshape(*lead, y.shape[-1]), idx.reshape(*lead, self.k)
+
+    def forward_small(
+        self, x: torch.Tensor, replay_experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`forward` for a few tokens without autograd on fp32 CPU (decoding) in three calls: ONE matmul for
+        the router, W_down and the shared experts' gate/up projections (their weights concatenated), ONE
+        kernel for routing, the chosen experts (reading only their weights), the latent RMSNorm and the
+        shared experts' SiTU-GLU (model/fused_cpu.cpp `moe_small`), ONE matmul for W_up and the shared W_down.
+        Same math as `forward`, same `_observe`. Returns None (the caller runs `forward`'s own path) unless it
+        applies: x [T, D] with 0 < T*k <= 4 pairs per expert."""
+        T = x.shape[0]
+        if not 0 < T * self.k <= _FUSED_PAIRS_PER_EXPERT * self.n_experts:
+            return None
+        kernels = fused_cpu.applies(x, self.router.weight, self.w_gate_up, self.w_down_experts)
+        if kernels is None or not all(isinstance(s, DenseFFN) for s in self.shared_experts):
+            return None
+        shared = list(self.shared_experts)
+        w_in = self._small_in_weight(self.router.weight, self.latent_down.weight,
+                                     *[w for s in shared for w in (s.gate_proj.weight, s.up_proj.weight)])
+        proj = x @ w_in  # [T, n + L + sum of 2 I_shared]
+        forced = torch.empty(0, dtype=torch.long) if replay_experts is None else \
+            self.router._check_replay(replay_experts, T).contiguous()
+        out, scores, idx, p = kernels.moe_small(
+            proj, self.router.e_score_correction_bias, forced, self.k, self.router.routed_scaling_factor,
+            self.w_gate_up, self.w_down_experts, self.latent_norm.weight, self.latent_norm.eps,
+            [s.gate_proj.weight.shape[0] for s in shared])
+        self._observe(scores, idx, p)
+        # out = [RMSNorm(routed latent) | shared activations ...]: W_up and the shared W_down in one matmul
+        y = out @ self._small_out_weight(self.latent_up.weight, *[s.down_proj.weight for s in shared])
+        return y, idx
 
     def _observe(self, scores: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> None:
         """Aux loss, then (while `record_statistics`) balancing statistics (training forwards only) and load

@@ -13,12 +13,17 @@ Fast path: lay the stream out as ``[state_0, x_0, state_1, x_1, ...]`` (each seg
 rows), run ONE "valid" depthwise ``conv1d`` over it, and keep only the outputs whose window lies in
 its own segment. Windows that straddle two segments are computed and dropped, so nothing leaks.
 Oracle: `naive_causal_short_conv`, a per-sequence, per-tap loop.
+
+`causal_short_conv_silu` is the layer's entry point: SiLU(conv) with the same state semantics; on fp32 CPU
+one fused kernel forward and one backward (model/fused_cpu.cpp `short_conv_silu`), else the two torch steps.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from model import fused_cpu
 
 
 def seq_lens_from_cu(cu_seqlens: torch.Tensor, total: int) -> list[int]:
@@ -114,3 +119,64 @@ def naive_causal_short_conv(
         ys.append(y)
         states.append(xs[L:].t())
     return torch.cat(ys), torch.stack(states)
+
+
+class _ShortConvSilu(torch.autograd.Function):
+    """silu(causal_short_conv(x, weight, cu, state)) and the new state, fused (fp32 CPU). Gradients reach x
+    (through y and the new state) and weight; the state must not need one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, cu: list[int]):
+        y, new_state = fused_cpu.load().short_conv_silu(x, weight, cu, state)
+        ctx.save_for_backward(x, weight, state)
+        ctx.cu = cu
+        return y, new_state
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor, d_state: torch.Tensor | None):
+        x, weight, state = ctx.saved_tensors
+        cu = ctx.cu
+        dy = dy if dy is not None else torch.zeros_like(x)
+        dx, dw = fused_cpu.load().short_conv_silu_backward(x, weight, cu, state, dy.contiguous())
+        if d_state is not None:  # new state column j of sequence n = input row L_n - (W-1) + j, if a token
+            P = d_state.shape[-1]
+            n_idx, j_idx = torch.meshgrid(torch.arange(len(cu) - 1), torch.arange(P), indexing="ij")
+            ends = torch.tensor(cu[1:])[:, None]
+            rows = ends - P + j_idx
+            from_x = rows >= torch.tensor(cu[:-1])[:, None]
+            dx.index_add_(0, rows[from_x], d_state.transpose(1, 2)[from_x])
+        return dx, dw, None, None
+
+
+def causal_short_conv_silu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU(causal_short_conv(x, weight, cu_seqlens, conv_state)) and the new conv state; same shapes.
+    On fp32 CPU tensors (and a state that needs no gradient) one fused kernel forward and one backward."""
+    T, C = x.shape
+    W = weight.shape[-1]
+    lens = seq_lens_from_cu(cu_seqlens, T)
+    N = len(lens)
+    fused = (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu
+             and (conv_state is None or (conv_state.dtype == torch.float32 and not conv_state.requires_grad))
+             and fused_cpu.load() is not None)
+    if not fused:
+        y, new_state = causal_short_conv(x, weight, cu_seqlens, conv_state)
+        return F.silu(y), new_state
+    if weight.shape != (C, W):
+        raise ValueError(f"weight must be [C={C}, W], got {tuple(weight.shape)}")
+    if conv_state is not None and conv_state.shape != (N, C, W - 1):
+        raise ValueError(
+            f"conv_state must be [N={N}, C={C}, W-1={W - 1}] (one row per sequence in cu_seqlens), "
+            f"got {tuple(conv_state.shape)}"
+        )
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    state = conv_state.contiguous() if conv_state is not None else x.new_empty(0)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _ShortConvSilu.apply(x.contiguous(), weight.contiguous(), state, cu)
+    return tuple(fused_cpu.load().short_conv_silu(x.contiguous(), weight.contiguous(), cu, state))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.attn_res import AttnResRead, attn_res_reference, full_attn_res_reference
+from model import attn_res as attn_res_mod
+from model import fused_cpu
+from model.attn_res import AttnResRead, AttnResStream, attn_res_reference, full_attn_res_reference
 from model.config import OdysseyConfig
 from model.modeling import OdysseyForCausalLM
 
@@ -121,3 +123,86 @@ def test_fresh_model_has_zero_queries_and_unit_norms():
     assert len(reads) == 2 * model.config.num_hidden_layers + 1  # two per layer + the final read
     for r in reads:
         assert torch.count_nonzero(r.query) == 0 and torch.all(r.norm_weight == 1)
+
+
+def test_read_gradients_match_fp64_reference():
+    # sources, pseudo-query and norm scale get the gradients of the explicit fp64 formula (relative L2 1e-5);
+    # the read folds the norm scale into the query and multiplies by each source's inverse RMS afterwards
+    torch.manual_seed(3)
+    read = AttnResRead(32)
+    with torch.no_grad():
+        read.query.normal_(0, 1.0)
+        read.norm_weight.uniform_(0.5, 2.0)
+    sources = [(torch.randn(11, 32) * s).requires_grad_() for s in (1.0, 3.0, 0.3, 2.0)]
+    ct = torch.randn(11, 32)
+    (read(sources) * ct).sum().backward()
+    got = [read.query.grad, read.norm_weight.grad] + [s.grad for s in sources]
+    q64, g64 = (p.detach().double().requires_grad_() for p in (read.query, read.norm_weight))
+    s64 = [s.detach().double().requires_grad_() for s in sources]
+    (attn_res_reference(q64, g64, s64, read.eps) * ct.double()).sum().backward()
+    for g, r in zip(got, [q64.grad, g64.grad] + [s.grad for s in s64]):
+        assert float((g.double() - r).norm() / r.norm()) < 1e-5
+
+
+def test_stream_reads_reuse_each_sources_inverse_rms(monkeypatch):
+    # the stream computes each source's inverse RMS once (a sealed block keeps its own); reads through the
+    # stream equal reads that recompute everything (atol 1e-6)
+    torch.manual_seed(4)
+    reads = [AttnResRead(16) for _ in range(3)]
+    with torch.no_grad():
+        for r in reads:
+            r.query.normal_(0, 1.0)
+    stream = AttnResStream([torch.randn(6, 16)])
+    computed: list[torch.Tensor] = []
+    real = attn_res_mod.inverse_rms
+    for step in range(6):
+        for r in reads:
+            monkeypatch.setattr(attn_res_mod, "inverse_rms",
+                                lambda v, eps: computed.append(v) or real(v, eps))
+            h = r.read(stream)
+            monkeypatch.setattr(attn_res_mod, "inverse_rms", real)
+            torch.testing.assert_close(h, r(stream.sources()), atol=1e-6, rtol=1e-6)
+        stream.add(torch.randn(6, 16))
+        if step % 2:
+            stream.seal()
+    # sources ever read: the embedding, the partial after step 0, block 1, the partial after step 2,
+    # block 2, the partial after step 4: six, each normalised once for all three reads
+    assert len(computed) == 6 and len({id(v) for v in computed}) == 6
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_fused_read_forward_and_gradients_equal_the_torch_read(with_norm, monkeypatch):
+    """On fp32 CPU with autograd a stream read (+ the sublayer RMSNorm after it) is one fused kernel
+    forward and one backward (model/fused_cpu.cpp); its output and the gradients of every source (through
+    the read and through their cached inverse RMS), the pseudo-query, the read's norm scale and the RMSNorm
+    weight equal the torch read (kernels off), rel L2 < 1e-5. Two reads share the stream's inverse RMS."""
+    from model.norm import RMSNorm
+
+    torch.manual_seed(6)
+    reads = [AttnResRead(32) for _ in range(2)]
+    norm = RMSNorm(32)
+    with torch.no_grad():
+        for r in reads:
+            r.query.normal_(0, 1.0)
+            r.norm_weight.uniform_(0.5, 1.5)
+        norm.weight.uniform_(0.5, 1.5)
+    base = [torch.randn(40, 32) * s for s in (1.0, 3.0, 0.5, 2.0)]
+    cts = [torch.randn(40, 32) for _ in reads]
+
+    def run():
+        for m in [*reads, norm]:
+            m.zero_grad()
+        srcs = [b.clone().requires_grad_() for b in base]
+        stream = AttnResStream(srcs[:3], srcs[0] * 0.3 + srcs[3])
+        outs = [r.read(stream, norm if with_norm else None) for r in reads]
+        sum((o * c).sum() for o, c in zip(outs, cts)).backward()
+        params = [p.grad.clone() for m in reads for p in m.parameters()]
+        params += [norm.weight.grad.clone()] if with_norm else []
+        return [o.detach() for o in outs] + [s.grad for s in srcs] + params
+
+    fused = run()
+    monkeypatch.setattr(fused_cpu, "load", lambda: None)
+    ref = run()
+    assert len(fused) == len(ref)
+    for a, b in zip(fused, ref):
+        assert float((a - b).norm() / b.norm()) < 1e-5

@@ -21,7 +21,7 @@ import torch
 from model.config import OdysseyConfig
 from model.modeling import OdysseyForCausalLM
 from rl.rollout.engine import GenerationRequest, InferenceEngine, TorchEngine
-from rl.rollout.sampling import SamplingParams, filter_logits, make_generator, sample_tokens
+from rl.rollout.sampling import SamplingParams, UniformStream, filter_logits, make_generator, sample_tokens
 
 PARITY_TOL = 1e-4  # fp32 logprob parity, trainer vs rollout (issue 7)
 
@@ -112,6 +112,23 @@ def test_sampling_is_batch_independent_and_greedy_is_argmax():
     assert batched[3].item() == logits[3].argmax().item() and blp[3].item() == 0.0
 
 
+def test_block_drawn_uniforms_give_the_same_tokens_as_per_token_draws():
+    """The engine takes each request's uniforms in blocks (UniformStream); 150 steps of 4 rows (crossing
+    block boundaries, mixed params incl. greedy) give exactly the tokens and logprobs of one draw per row
+    and step."""
+    params = [SamplingParams(seed=i, temperature=t, top_k=k) for i, (t, k) in
+              enumerate([(1.0, 0), (0.0, 0), (0.7, 5), (1.0, 0)])]
+    gens_a = [make_generator(i) for i in range(4)]
+    streams = [UniformStream(make_generator(i), block=64) for i in range(4)]
+    g = torch.Generator().manual_seed(9)
+    for _ in range(150):
+        logits = torch.randn(4, 30, generator=g) * 2
+        ta, la = sample_tokens(logits, params, gens_a)
+        u = torch.tensor([s.next() for s in streams], dtype=torch.float64)
+        tb, lb = sample_tokens(logits, params, [s.generator for s in streams], uniforms=u)
+        assert torch.equal(ta, tb) and torch.equal(la, lb)
+
+
 def test_bad_sampling_params_are_named():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
@@ -181,7 +198,7 @@ def test_chunked_prefill_equals_one_pass_and_stays_chunked(model, monkeypatch):
     one = TorchEngine(model, prefill_chunk_size=4096).generate([req])[0]
     seen_tokens, head_rows = [], []
     orig_backbone = model.model.forward
-    orig_head = model.lm_head.forward
+    orig_head = model.head_logits
 
     def spy_backbone(input_ids, *a, **k):
         seen_tokens.append(input_ids.shape[0])
@@ -192,7 +209,7 @@ def test_chunked_prefill_equals_one_pass_and_stays_chunked(model, monkeypatch):
         return orig_head(h)
 
     monkeypatch.setattr(model.model, "forward", spy_backbone)
-    monkeypatch.setattr(model.lm_head, "forward", spy_head)
+    monkeypatch.setattr(model, "head_logits", spy_head)
     chunked = TorchEngine(model, prefill_chunk_size=64).generate([req])[0]
     monkeypatch.undo()
     assert max(seen_tokens) <= 64 and len(seen_tokens) >= 300 // 64

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import model.kda as kda_mod
-from model import kda_chunk, kda_cpu
+from model import fused_cpu, kda_chunk, kda_cpu, kda_recurrent
 from model.kda import (
     KDALayerState,
     KDAttention,
@@ -27,7 +27,7 @@ from model.kda import (
     naive_recurrent_kda,
     unbounded_kda_gate,
 )
-from model.short_conv import causal_short_conv, naive_causal_short_conv
+from model.short_conv import causal_short_conv, causal_short_conv_silu, naive_causal_short_conv
 
 H, K, V = 2, 32, 32
 FP32_TOL = 5e-3  # DESIGN.md: chunkwise == naive, rel-RMS < 5e-3 in fp32
@@ -470,6 +470,45 @@ def test_kda_layer_prefill_then_decode_equals_full_forward(monkeypatch):
     torch.testing.assert_close(state.conv, st_full.conv, rtol=0, atol=1e-5)  # projection GEMM blocking
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("conv_size", [4, 1])
+def test_fused_decode_step_equals_torch_step(conv_size, monkeypatch):
+    """Without autograd a one-token-per-sequence step runs ONE fused CPU kernel after a single matmul for the
+    six input projections (model/fused_cpu.cpp `kda_decode`): outputs, recurrent and conv state equal the
+    torch step (kernels off: projections, short conv, fused_recurrent_kda_step), rel-RMS < 1e-5,
+    over 5 steps from a prefilled state; the kernel is really taken; the given state is left untouched; and a
+    weight update (in place, as an optimizer or update_weights does) reaches the fused path at once."""
+    kernels = fused_cpu.load()
+    assert kernels is not None, "model/fused_cpu.cpp did not build"
+    calls = {"n": 0}
+
+    class Counting:
+        def kda_decode(self, *args):
+            calls["n"] += 1
+            return kernels.kda_decode(*args)
+
+    layer = make_layer(3, kda_conv_size=conv_size)
+    lens = [7, 1, 13]
+    _, state = layer(torch.randn(sum(lens), 64), cu_from(lens))
+    cu1 = cu_from([1, 1, 1])
+    st_fast, st_ref = state, state
+    for step in range(5):
+        if step == 3:
+            layer.q_proj.weight.mul_(1.1)
+        x = torch.randn(3, 64)
+        before = st_fast.recurrent.clone(), st_fast.conv.clone()
+        monkeypatch.setattr(fused_cpu, "load", lambda: Counting())
+        y_fast, st_fast_new = layer(x, cu1, st_fast)
+        assert torch.equal(st_fast.recurrent, before[0]) and torch.equal(st_fast.conv, before[1])
+        monkeypatch.setattr(fused_cpu, "load", lambda: None)
+        y_ref, st_ref = layer(x, cu1, st_ref)
+        st_fast = st_fast_new
+        assert rel_rms(y_fast, y_ref) < 1e-5
+        assert rel_rms(st_fast.recurrent, st_ref.recurrent) < 1e-5
+        assert rel_rms(st_fast.conv, st_ref.conv) < 1e-5
+    assert calls["n"] == 5
+
+
 def test_kda_layer_conv_and_state_do_not_leak_across_boundaries():
     """Changing sequence 0 (its last tokens, which the next sequence's conv window would see if it leaked)
     leaves sequence 1's outputs and state unchanged. Tolerance: 1e-6 absolute."""
@@ -508,3 +547,170 @@ def test_kda_layer_state_helpers_and_config_errors():
         layer(torch.randn(5, 64), cu_from([5]), z)
     with pytest.raises(ValueError, match=r"\[T, D\]"):
         layer(torch.randn(1, 5, 64))
+
+
+# ------------------------------------------------------------------------- the CPU backend: the recurrence
+@pytest.mark.parametrize("packed", [True, False])
+def test_recurrent_backend_forward_and_gradients_match_naive(packed):
+    """model/kda_recurrent.py (the recurrence in C++, its adjoint for the backward, one block checkpoint every
+    64 tokens) == naive_recurrent_kda: o and final state, and d/d(q, k, v, g, beta, initial_state) of a random
+    loss on both, rel-RMS < 1e-5 (fp32: the same operations in another order). Packed sequences of 150 (three
+    checkpoint blocks), 0, 5 and 64 tokens; or a batch of 2 rows."""
+    lens = [150, 0, 5, 64] if packed else [70]
+    B = 1 if packed else 2
+    T = sum(lens)
+    N = len(lens) if packed else B
+    base = list(make_inputs(B, T, seed=11)) + [torch.randn(N, H, K, V)]
+    gen = torch.Generator().manual_seed(12)
+    do, dS = torch.randn(B, T, H, V, generator=gen), torch.randn(N, H, K, V, generator=gen)
+    cu = cu_from(lens) if packed else None
+
+    def run(fn):
+        xs = [t.clone().requires_grad_() for t in base]
+        o, S = fn(*xs)
+        ((o * do).sum() + (S * dS).sum()).backward()
+        return [o.detach(), S.detach()] + [x.grad for x in xs]
+
+    def naive(q, k, v, g, beta, S0):
+        if not packed:
+            return naive_recurrent_kda(q, k, v, g, beta, S0)
+        c = cu.tolist()
+        outs = [naive_recurrent_kda(*(t[:, c[n]:c[n + 1]] for t in (q, k, v, g, beta)), S0[n:n + 1])
+                for n in range(N)]
+        return torch.cat([o for o, _ in outs], 1), torch.cat([s for _, s in outs])
+
+    got = run(lambda *xs: kda_recurrent.recurrent_kda(*xs[:5], xs[5], cu))
+    ref = run(naive)
+    for name, a, b in zip(["o", "S", "dq", "dk", "dv", "dg", "dbeta", "dS0"], got, ref):
+        assert rel_rms(a, b) < 1e-5, name
+    with torch.no_grad():  # without autograd: no checkpoints, same result
+        o_ng, S_ng = kda_recurrent.recurrent_kda(*base[:5], base[5], cu)
+    assert torch.equal(o_ng, got[0]) and torch.equal(S_ng, got[1])
+
+
+def test_layer_uses_the_recurrent_backend_on_cpu_and_equals_the_chunk_backend(monkeypatch):
+    """KDAttention on fp32 CPU runs the C++ recurrence (kda_sequence); with ODYSSEY_KDA_CPU_BACKEND=chunk it
+    runs chunk_kda. Outputs, final states and all parameter gradients agree, rel-RMS < 1e-4."""
+    layer = make_layer(5)
+    lens = [40, 70, 3]
+    x = torch.randn(sum(lens), 64)
+    calls = []
+    real = kda_recurrent.recurrent_kda
+    monkeypatch.setattr(kda_recurrent, "recurrent_kda", lambda *a: calls.append(1) or real(*a))
+    results = []
+    for backend in ("recurrent", "chunk"):
+        monkeypatch.setenv("ODYSSEY_KDA_CPU_BACKEND", backend)
+        layer.zero_grad()
+        y, st = layer(x, cu_from(lens))
+        (y * torch.cos(torch.arange(y.numel()).view_as(y).float())).sum().backward()
+        results.append([y.detach(), st.recurrent] + [p.grad.clone() for p in layer.parameters()])
+    assert calls == [1]
+    for a, b in zip(*results):
+        assert rel_rms(a, b) < 1e-4
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_fused_short_conv_silu_equals_torch_path(with_state, monkeypatch):
+    """causal_short_conv_silu on fp32 CPU (one fused kernel forward, one backward: model/fused_cpu.cpp) ==
+    F.silu(causal_short_conv(...)) (the torch path, kernels off): output, new state, and the gradients of x
+    and the taps through both (a random loss on y and on the new state); packed lengths 0, 1, 2 (< W-1,
+    the state shows through), 9 and 30; rel-RMS < 1e-5."""
+    lens = [9, 0, 1, 30, 2]
+    T, C, W = sum(lens), 24, 4
+    gen = torch.Generator().manual_seed(21)
+    x0, w0 = torch.randn(T, C, generator=gen), torch.randn(C, W, generator=gen)
+    state = torch.randn(len(lens), C, W - 1, generator=gen) if with_state else None
+    dy, dst = torch.randn(T, C, generator=gen), torch.randn(len(lens), C, W - 1, generator=gen)
+    cu = cu_from(lens)
+
+    def run():
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y, st = causal_short_conv_silu(x, w, cu, state)
+        ((y * dy).sum() + (st * dst).sum()).backward()
+        return [y.detach(), st.detach(), x.grad, w.grad]
+
+    fused = run()
+    monkeypatch.setattr(fused_cpu, "load", lambda: None)
+    ref = run()
+    for name, a, b in zip(["y", "state", "dx", "dw"], fused, ref):
+        assert rel_rms(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize("kv", [(16, 24), (64, 64)])
+def test_recurrent_backend_other_head_sizes(kv):
+    """The C++ recurrence is compiled for K = V in {32, 64, 128} and generic otherwise: a non-square head
+    (16 x 24, the generic loops) and 64 x 64 (its own instance) also equal naive_recurrent_kda, forward and
+    gradients, rel-RMS < 1e-5."""
+    k_dim, v_dim = kv
+    gen = torch.Generator().manual_seed(31)
+    T, h = 90, 3
+    base = [F.normalize(torch.randn(1, T, h, k_dim, generator=gen), dim=-1) * k_dim**-0.5,
+            F.normalize(torch.randn(1, T, h, k_dim, generator=gen), dim=-1),
+            torch.randn(1, T, h, v_dim, generator=gen),
+            kda_gate(torch.randn(1, T, h, k_dim, generator=gen) * 3, torch.zeros(h)),
+            torch.rand(1, T, h, generator=gen), torch.randn(1, h, k_dim, v_dim, generator=gen)]
+    do = torch.randn(1, T, h, v_dim, generator=gen)
+
+    def run(fn):
+        xs = [t.clone().requires_grad_() for t in base]
+        o, S = fn(*xs)
+        ((o * do).sum() + S.square().sum()).backward()
+        return [o.detach(), S.detach()] + [x.grad for x in xs]
+
+    got = run(lambda *xs: kda_recurrent.recurrent_kda(*xs))
+    ref = run(naive_recurrent_kda)
+    for a, b in zip(got, ref):
+        assert rel_rms(a, b) < 1e-5
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("conv_size", [4, 1])
+def test_fused_prefill_equals_torch_layer(conv_size, monkeypatch):
+    """Without autograd on fp32 CPU the layer's prefill is one matmul, the gates' up-projections and ONE fused
+    kernel (model/fused_cpu.cpp `kda_prefill`) before the output projection; outputs, recurrent and conv
+    states equal the torch path (kernels off) for a fresh ragged batch (lengths 1, 2 < W-1, 30, 70) and for
+    a ragged continuation from those states, rel-RMS < 1e-5; the fused call is really taken."""
+    kernels = fused_cpu.load()
+    calls = []
+
+    class Counting:
+        def kda_prefill(self, *a):
+            calls.append(1)
+            return kernels.kda_prefill(*a)
+
+    layer = make_layer(7, kda_conv_size=conv_size)
+    lens1, lens2 = [1, 2, 30, 70], [5, 0, 17, 3]
+    x1, x2 = torch.randn(sum(lens1), 64), torch.randn(sum(lens2), 64)
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(fused_cpu, "load", (lambda: Counting()) if fused else (lambda: None))
+        y1, st1 = layer(x1, cu_from(lens1))
+        y2, st2 = layer(x2, cu_from(lens2), st1)
+        results.append([y1, st1.recurrent, st1.conv, y2, st2.recurrent, st2.conv])
+    assert calls == [1, 1]
+    for a, b in zip(*results):
+        assert rel_rms(a, b) < 1e-5
+
+
+def test_fused_layer_training_path_equals_torch_path(monkeypatch):
+    """With autograd on fp32 CPU the layer runs fused kernels forward and backward around its matmuls (short
+    conv + SiLU, q/k norms + decay gate + beta, the recurrence, head norm + output gate); with the kernels off
+    it runs the torch reference (chunk_kda). Packed ragged batch from a given state (no gradient through it):
+    output, final states and every parameter's gradient agree, rel-RMS < 1e-4."""
+    layer = make_layer(9)
+    lens = [33, 2, 64, 9]
+    x = torch.randn(sum(lens), 64)
+    with torch.no_grad():
+        _, st0 = layer(torch.randn(sum(lens), 64), cu_from(lens))
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(fused_cpu, "load", lambda: None)
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        y, st = layer(xi, cu_from(lens), st0)
+        (y * torch.sin(torch.arange(y.numel()).view_as(y).float())).sum().backward()
+        results.append([y.detach(), st.recurrent.detach(), st.conv.detach(), xi.grad]
+                       + [p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*results):
+        assert rel_rms(a, b) < 1e-4

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.config import OdysseyConfig
-from model.mla import GatedMLA, causal_attention
+from model.mla import GatedMLA, MLALatentCache, causal_attention
 
 
 def make_mla(q_lora_rank: int = 0, seed: int = 0) -> GatedMLA:
@@ -128,3 +128,109 @@ def test_cache_row_mismatch_is_a_clear_error():
     m = make_mla()
     with pytest.raises(ValueError, match="cache has 1 rows"):
         m(torch.randn(4, 128), torch.tensor([0, 2, 4], dtype=torch.int32), past=[torch.zeros(0, 64)])
+
+
+def test_gradients_match_fp64_reference():
+    # the flash-kernel path (4-D SDPA, equal-length runs batched) backpropagates like the fp64 formula:
+    # input and parameter gradients within relative L2 1e-5 (fp32 vs fp64)
+    m = make_mla(q_lora_rank=48, seed=5)
+    cu = [0, 16, 32, 48, 53, 77]  # a run of three 16-token sequences, then ragged ones
+    x = torch.randn(cu[-1], 128, requires_grad=True)
+    w = torch.randn(cu[-1], 128)
+    (m(x, torch.tensor(cu, dtype=torch.int32))[0] * w).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    ref_m = make_mla(q_lora_rank=48, seed=5).double()
+    (reference_mla_autograd(ref_m, x64, cu) * w.double()).sum().backward()
+    grads = [(x.grad, x64.grad)] + [(p.grad, r.grad) for p, r in zip(m.parameters(), ref_m.parameters())]
+    for g, r in grads:
+        assert float((g.double() - r).norm() / r.norm()) < 1e-5
+
+
+def reference_mla_autograd(m: GatedMLA, x: torch.Tensor, cu: list[int]) -> torch.Tensor:
+    """`reference_mla` on m's own (fp64) parameters, differentiable."""
+    H, Dh, eps = m.num_heads, m.head_dim, m.kv_a_norm.eps
+
+    def rms(v, w):
+        return v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    q = rms(x @ m.q_a_proj.weight.T, m.q_a_norm.weight) @ m.q_b_proj.weight.T
+    c = rms(x @ m.kv_a_proj.weight.T, m.kv_a_norm.weight)
+    k, v = c @ m.k_b_proj.weight.T, c @ m.v_b_proj.weight.T
+    outs = []
+    for s, e in zip(cu[:-1], cu[1:]):
+        heads = []
+        for h in range(H):
+            sl = slice(h * Dh, (h + 1) * Dh)
+            scores = q[s:e, sl] @ k[s:e, sl].T / Dh**0.5
+            scores = scores.masked_fill(torch.ones(e - s, e - s).triu(1).bool(), float("-inf"))
+            heads.append(scores.softmax(-1) @ v[s:e, sl])
+        outs.append(torch.cat(heads, -1))
+    return (torch.sigmoid(x @ m.g_proj.weight.T) * torch.cat(outs)) @ m.o_proj.weight.T
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("q_lora_rank", [0, 32])
+@pytest.mark.parametrize("fused", [True, False])
+def test_batched_decode_step_equals_per_sequence_absorbed_attention(q_lora_rank, fused, monkeypatch):
+    # the decode step (fused: one matmul for the q, latent and gate projections; both: one masked SDPA call
+    # over the padded latent buffer) == attend_absorbed per sequence, atol 1e-6; the appended latents ==
+    # compress_kv (atol 1e-5: a different matmul shape rounds differently)
+    if not fused:
+        monkeypatch.setenv("ODYSSEY_FUSED_CPU_KERNEL", "0")
+    m = make_mla(q_lora_rank=q_lora_rank, seed=6)
+    calls = []
+    real = GatedMLA.decode_step_fused
+    monkeypatch.setattr(GatedMLA, "decode_step_fused", lambda *a: calls.append(1) or real(*a))
+    past = [m.compress_kv(torch.randn(n, 128)) for n in (9, 1, 30)]
+    x = torch.randn(3, 128)
+    y, present = m(x, torch.arange(4, dtype=torch.int32), past=past)
+    assert calls == [1]
+    c = m.compress_kv(x)
+    q = m.project_q(x)
+    o = torch.cat([m.attend_absorbed(q[n:n + 1], torch.cat([past[n], c[n:n + 1]]), past[n].shape[0])
+                   for n in range(3)])
+    torch.testing.assert_close(y, m.gated_output(x, o.reshape(3, -1)), atol=1e-6, rtol=1e-5)
+    assert isinstance(present, MLALatentCache) and present.lens == [10, 2, 31]
+    for n in range(3):
+        torch.testing.assert_close(present[n], torch.cat([past[n], c[n:n + 1]]), atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_latent_cache_appends_in_place_and_branches_copy_on_write():
+    m = make_mla(seed=7)
+    cu1 = torch.tensor([0, 1, 2], dtype=torch.int32)
+    cu0 = torch.tensor([0, 4, 10], dtype=torch.int32)
+    base = m(torch.randn(10, 128), cu0, past=MLALatentCache.empty(2, 64))[1]
+    step1 = m(torch.randn(2, 128), cu1, past=base)[1]  # grows the buffer (capacity doubles)
+    buf = step1.buffer
+    steps = [step1]
+    for _ in range(3):
+        steps.append(m(torch.randn(2, 128), cu1, past=steps[-1])[1])
+    assert all(s.buffer is buf for s in steps)  # token-by-token: written in place, no copy
+    assert steps[-1].lens == [8, 10] and buf.shape[1] >= 10
+    # branch: continue from step1 again with another token; the first branch's rows must not change
+    before = [r.clone() for r in steps[-1]]
+    xb = torch.randn(2, 128)
+    branch = m(xb, cu1, past=step1)[1]
+    assert branch.buffer is not buf
+    for r, b in zip(steps[-1], before):
+        assert torch.equal(r, b)
+    torch.testing.assert_close(branch[0][-1], m.compress_kv(xb)[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(branch[0][:-1], step1[0])
+    # select / concat / list compatibility
+    sel = steps[-1].select([1, 1, 0])
+    assert sel.lens == [10, 10, 8] and torch.equal(sel[2], steps[-1][0])
+    cat = MLALatentCache.concat([sel, base])
+    assert cat.lens == [10, 10, 8, 4, 6] and torch.equal(cat[3], base[0])
+    assert MLALatentCache.from_latents(list(cat)).lens == cat.lens
+    assert cat.nbytes() == sum(cat.lens) * 64 * 4
+
+
+def test_latent_cache_from_inference_mode_is_copied_outside_it():
+    m = make_mla(seed=8)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 5], dtype=torch.int32)
+        past = m(torch.randn(5, 128), cu, past=MLALatentCache.empty(1, 64))[1]
+    with torch.no_grad():  # an inference tensor cannot be written outside inference mode: copied instead
+        y, present = m(torch.randn(1, 128), torch.tensor([0, 1], dtype=torch.int32), past=past)
+    assert present.lens == [6] and torch.isfinite(y).all()

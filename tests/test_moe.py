@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+import model.moe as moe_mod
+from model import fused_cpu
 from model.config import OdysseyConfig
 from model.expert_load import ExpertLoadTracker
 from model.moe import LatentMoE, dense_reference_forward
@@ -44,8 +46,11 @@ def random_replay(T: int, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("replay", [False, True])
-def test_dispatch_matches_dense_loop_forward_and_backward(replay: bool):
-    """fp32, tolerance atol 1e-5 / rtol 1e-5 on outputs and on every parameter and input gradient."""
+@pytest.mark.parametrize("padded", [True, False])
+def test_dispatch_matches_dense_loop_forward_and_backward(replay: bool, padded: bool, monkeypatch):
+    """fp32, tolerance atol 1e-5 / rtol 1e-5 on outputs and on every parameter and input gradient; both
+    dispatch forms: all experts as one zero-padded batched block, and one matmul pair per expert segment."""
+    monkeypatch.setattr(moe_mod, "_PADDED_WASTE", 1e9 if padded else 0.0)
     moe = make_moe()
     moe.bias.copy_(torch.randn(N) * 0.1)  # a non-zero b must route identically in both paths
     x = torch.randn(96, D, requires_grad=True)
@@ -67,6 +72,59 @@ def test_dispatch_matches_dense_loop_forward_and_backward(replay: bool):
     assert g_fast.keys() == g_ref.keys() and "router.weight" in g_fast and "w_gate_up" in g_fast
     for name in g_ref:
         torch.testing.assert_close(g_fast[name], g_ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+class _CountingKernels:
+    """Wraps the fused CPU kernels and counts moe_small calls (to check which path ran)."""
+
+    def __init__(self, kernels):
+        self.kernels, self.calls = kernels, 0
+
+    def moe_small(self, *args):
+        self.calls += 1
+        return self.kernels.moe_small(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.kernels, name)
+
+
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("replay", [False, True])
+def test_fused_small_batch_forward_matches_dense_loop(T, replay, monkeypatch):
+    """Without autograd a few tokens (<= 4 pairs per expert) take `forward_small`: one matmul for router,
+    W_down and the shared expert, ONE fused call for routing, experts, latent norm and shared activation
+    (model/fused_cpu.cpp `moe_small`), one matmul for W_up and the shared W_down. Equal to the dense-loop
+    oracle, atol 1e-6 (fp32), same experts, and to the torch path (kernels off); the fused call is really
+    taken, and not with autograd or for larger batches."""
+    kernels = fused_cpu.load()
+    assert kernels is not None, "model/fused_cpu.cpp did not build"
+    counting = _CountingKernels(kernels)
+    monkeypatch.setattr(fused_cpu, "load", lambda: counting if fused_cpu.enabled() else None)
+    moe = make_moe(seed=T)
+    moe.bias.copy_(torch.randn(N) * 0.1)
+    x = torch.randn(T, D)
+    rep = random_replay(T, seed=T) if replay else None
+    with torch.no_grad():
+        y, idx = moe(x, rep)
+        assert counting.calls == 1
+        y_ref, idx_ref = dense_reference_forward(moe, x, rep)
+        monkeypatch.setenv("ODYSSEY_FUSED_CPU_KERNEL", "0")
+        y_torch, _ = moe(x, rep)
+        monkeypatch.delenv("ODYSSEY_FUSED_CPU_KERNEL")
+    assert torch.equal(idx, idx_ref)
+    torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(y, y_torch, atol=1e-6, rtol=1e-5)
+    if not replay:  # the routing kernel: the router's scores, experts (in its order) and weights
+        s, i, p = kernels.moe_route(x @ moe.router.weight.t(), moe.bias, torch.empty(0, dtype=torch.long), K,
+                                    2.5)
+        s_ref, i_ref, p_ref = moe.router(x)
+        torch.testing.assert_close(s, s_ref, atol=1e-7, rtol=1e-6)
+        assert torch.equal(i, i_ref)
+        torch.testing.assert_close(p, p_ref * 2.5, atol=1e-7, rtol=1e-6)
+    moe(x.requires_grad_(), rep)[0].sum().backward()  # autograd: the torch dispatch
+    with torch.no_grad():
+        moe(torch.randn(5 * N, D))  # 10 pairs per expert: the torch dispatch
+    assert counting.calls == 1
 
 
 def test_batched_leading_dims_and_empty_input():

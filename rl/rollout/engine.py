@@ -52,7 +52,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from rl.rollout.sampling import SamplingParams, make_generator, sample_tokens
+from rl.rollout.sampling import SamplingParams, UniformStream, make_generator, sample_tokens
 
 FinishReason = Literal["stop_token", "stop_string", "length"]
 
@@ -145,6 +145,7 @@ class _Seq:
         "req",
         "params",
         "gen",
+        "uniforms",
         "session",
         "todo",
         "pos",
@@ -166,14 +167,15 @@ class _Seq:
         self.req = req
         self.params = req.sampling
         self.gen = make_generator(seed)
+        self.uniforms = UniformStream(self.gen)
         self.session = req.session if req.session is not None else new_session
         self.todo = list(map(int, req.prompt_ids))
         self.pos = 0  # tokens of `todo` already prefilled
         self.cache = self.session.cache
-        self.prompt_routed: list[torch.Tensor] = []
+        self.prompt_routed: list[np.ndarray] = []
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
-        self.routed: list[torch.Tensor] = []
+        self.routed: list[np.ndarray] = []  # one [1, L, k] row per decode step (views of the step's array)
         self.finish: FinishReason | None = None
         self.flushing = False
         self.last_logits: torch.Tensor | None = self.session.next_logits if not self.todo else None
@@ -183,12 +185,11 @@ class _Seq:
         self.cache_version = self.session.weight_version  # weights the sequence's cache was computed with
 
 
-def _cat_routing(parts: list[torch.Tensor], skip: int = 0) -> np.ndarray | None:
+def _cat_routing(parts: list[np.ndarray], skip: int = 0) -> np.ndarray | None:
     """Concatenated routing rows, without the first `skip` (history re-fed after a weight update)."""
     if not parts:
         return None
-    r = torch.cat(parts, 0)[skip:]
-    return r.to(torch.int32).numpy().astype(np.uint16)
+    return np.concatenate(parts, 0)[skip:].astype(np.uint16)
 
 
 class TorchEngine:
@@ -372,18 +373,20 @@ class TorchEngine:
         )
 
     def _forward(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: Any, logit_index: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-        """One packed forward on the model's device. Returns (logits [len(logit_index), V] fp32 on CPU,
-        routed [T, L, k] on CPU | None, cache on the model's device)."""
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: Any, logit_index: torch.Tensor | None
+    ) -> tuple[torch.Tensor, np.ndarray | None, Any]:
+        """One packed forward on the model's device. logit_index None = every position (a decode step).
+        Returns (logits [len(logit_index), V] fp32 on CPU, routed experts [T, L, k] as a numpy array | None,
+        cache on the model's device)."""
         t0 = time.perf_counter()
         dev = self.device
         logits, routed, cache = _packed_forward(
-            self.model, input_ids.to(dev), cu_seqlens.to(dev), cache, logit_index.to(dev), self._moe
+            self.model, input_ids.to(dev), cu_seqlens.to(dev), cache,
+            logit_index.to(dev) if logit_index is not None else None, self._moe
         )
         self.stats["forwards"] += 1
         self.stats["forward_s"] += time.perf_counter() - t0
-        return logits.cpu(), (routed.cpu() if routed is not None else None), cache
+        return logits.cpu(), (routed.cpu().numpy() if routed is not None else None), cache
 
     def _step(
         self, running: list[_Seq], cache: Any, joining: list[_Seq]
@@ -421,7 +424,7 @@ class TorchEngine:
             n = len(running)
             ids = torch.tensor([s.tokens[-1] for s in running], dtype=torch.long)
             cu = torch.arange(n + 1, dtype=torch.int32)
-            logits, routed, cache = self._forward(ids, cu, cache, torch.arange(n))
+            logits, routed, cache = self._forward(ids, cu, cache, None)
             self.stats["decode_tokens"] += n
             sampling = []
             for i, s in enumerate(running):
@@ -479,7 +482,8 @@ class TorchEngine:
         return _concat(rows)
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
-        tokens, lps = sample_tokens(logits, [s.params for s in seqs], [s.gen for s in seqs])
+        u = torch.tensor([s.uniforms.next() for s in seqs], dtype=torch.float64)
+        tokens, lps = sample_tokens(logits, [s.params for s in seqs], [s.gen for s in seqs], uniforms=u)
         for s, t, lp in zip(seqs, tokens.tolist(), lps.tolist()):
             s.tokens.append(t)
             s.logprobs.append(lp)
@@ -546,19 +550,21 @@ def _packed_forward(
     input_ids: torch.Tensor,
     cu_seqlens: torch.Tensor,
     cache: Any,
-    logit_index: torch.Tensor,
+    logit_index: torch.Tensor | None,
     moe: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-    """Packed forward returning logits only at `logit_index` (positions in input_ids): [len, V] fp32.
+    """Packed forward returning logits only at `logit_index` (positions in input_ids; None = all): [len, V]
+    fp32.
 
     Runs the backbone (`model.model`: hidden [T, D]) and applies the LM head to the selected rows only,
     so a prefill chunk never builds [T, vocab]. Returns (logits, routed [T, n_moe, k] | None, new cache).
     """
     backbone = getattr(model, "model", None)
-    if backbone is None or not hasattr(model, "lm_head"):  # not an OdysseyForCausalLM: full forward
+    if backbone is None or not hasattr(model, "head_logits"):  # not an OdysseyForCausalLM: full forward
         out = model(input_ids, cu_seqlens=cu_seqlens, cache=cache, return_routed_experts=moe)
-        return out.logits[logit_index].float(), (out.routed_experts if moe else None), out.cache
+        logits = out.logits if logit_index is None else out.logits[logit_index]
+        return logits.float(), (out.routed_experts if moe else None), out.cache
     h, new_layers, routed, _ = backbone(input_ids, cu_seqlens, cache, None, moe)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    logits = model.lm_head(h[logit_index]).float()
+    logits = model.head_logits(h if logit_index is None else h[logit_index]).float()
     return logits, routed, cache.advanced(new_layers, lens)

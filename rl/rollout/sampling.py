@@ -90,29 +90,38 @@ def filter_logits(
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits [N, V]; params / generators: one per row.
 
-    Returns (tokens LongTensor [N], logprobs fp32 [N]) - logprobs under the filtered distribution
+    uniforms: float64 [N], the rows' next U[0, 1) draws if the caller took them from the generators
+    already (`UniformStream` draws them in blocks: the same numbers, fewer calls); None = one draw per
+    row here. Returns (tokens LongTensor [N], logprobs fp32 [N]) - logprobs under the filtered distribution
     each token was drawn from (0.0 for greedy rows), see the module docstring.
     """
     N = logits.shape[0]
     assert len(params) == N == len(generators), "one SamplingParams and one generator per row"
     logits = logits.float()
-    greedy = torch.tensor([p.temperature == 0 for p in params])
-    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    z = filter_logits(logits, temperature, top_k, top_p)
+    if all(p.top_k == 0 and p.top_p == 1 and p.temperature in (0, 1) for p in params):
+        z = logits  # nothing to filter, temperature 1 (greedy rows are sampled at 1, then replaced below)
+    else:
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        z = filter_logits(logits, temperature, top_k, top_p)
     logp = torch.log_softmax(z, dim=-1)  # [N, V]
     # One uniform per row from the row's own generator: independent of batch composition.
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    u = uniforms if uniforms is not None else \
+        torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     cdf = torch.cumsum(logp.double().exp(), dim=-1)  # [N, V], vocabulary order
     target = (u * cdf[:, -1])[:, None]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
     lp = logp.gather(-1, tokens[:, None]).squeeze(-1)
-    if bool(greedy.any()):
+    if any(p.temperature == 0 for p in params):
+        greedy = torch.tensor([p.temperature == 0 for p in params])
         tokens = torch.where(greedy, logits.argmax(-1), tokens)
         lp = torch.where(greedy, torch.zeros_like(lp), lp)
     return tokens, lp
@@ -123,3 +132,21 @@ def make_generator(seed: int) -> torch.Generator:
     g = torch.Generator(device="cpu")
     g.manual_seed(int(seed) & 0x7FFF_FFFF_FFFF_FFFF)
     return g
+
+
+class UniformStream:
+    """A request's U[0, 1) draws from its generator, taken in blocks of `block` (one call per block instead
+    of one per token). torch's CPU generator yields the same numbers either way (rand(n) == n successive
+    rand(()) draws), so the sampled tokens do not change."""
+
+    def __init__(self, generator: torch.Generator, block: int = 64) -> None:
+        self.generator, self.block = generator, block
+        self._buf: list[float] = []
+        self._i = 0
+
+    def next(self) -> float:
+        if self._i == len(self._buf):
+            self._buf = torch.rand(self.block, generator=self.generator, dtype=torch.float64).tolist()
+            self._i = 0
+        self._i += 1
+        return self._buf[self._i - 1]
