@@ -74,6 +74,7 @@ class ExpertLoadTracker:
         `close_step`."""
         import torch.distributed as dist
 
+        self._flush()  # forwards still pending their count belong to this step
         stats = torch.cat([self._counts.double(), torch.tensor([self._entropy_sum, float(self._tokens)],
                                                                dtype=torch.float64)])
         backend = dist.get_backend(process_group)

@@ -3,8 +3,9 @@
 #   1. .venv with the package (+ cpu or gpu extra, + dev: test tools, TRL, the env adapters, fla-core)
 #   2. a Docker daemon that answers (installs Debian's docker.io when missing)
 #   3. the sandbox image (debootstrap rootfs -> docker import) when absent
-#   4. the fused CPU kernels of chunk_kda (model/kda_cpu.cpp), compiled once into ~/.cache/odyssey, keyed
-#      by their content (model/artifact_cache.py): any checkout or Ray job on this machine reuses them
+#   4. the fused CPU kernels (model/kda_cpu.cpp: chunk_kda; model/fused_cpu.cpp: the sublayers), compiled
+#      once into ~/.cache/odyssey, keyed by their content (model/cpp_extension.py, model/artifact_cache.py):
+#      any checkout or Ray job on this machine reuses them
 # Re-running is cheap: each step checks before it acts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,8 +68,10 @@ say "docker daemon answers"
 
 # ---- 4. CPU kernels ----------------------------------------------------------------------
 if ! command -v g++ >/dev/null 2>&1; then
-  [ "$(id -u)" = 0 ] || die "g++ is missing (needed for model/kda_cpu.cpp): sudo apt-get install -y g++"
+  [ "$(id -u)" = 0 ] || die "g++ is missing (needed for the CPU kernels in model/*.cpp): sudo apt-get install -y g++"
   say "installing g++ (apt)"; DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++ >/dev/null
 fi
-"$VENV/bin/python" -m model.kda_cpu || die "model/kda_cpu.cpp failed to build: run .venv/bin/python -m model.kda_cpu --verbose"
+for k in kda_cpu fused_cpu; do
+  "$VENV/bin/python" -m "model.$k" || die "model/$k.cpp failed to build: run .venv/bin/python -m model.$k --verbose"
+done
 say "ready"

@@ -90,7 +90,10 @@ def test_packed_loss_and_gradients_equal_per_sequence(routing_replay, loss_agg, 
                              cfg.rollout.max_tokens, routing_replay)
     ref.backward()
     g_ref = _grads(learner.policy)
-    assert abs(packed - float(ref)) <= REL * abs(float(ref)), (packed, float(ref))
+    # the loss is a sum of +-A terms that nearly cancel (advantages have zero mean per group): relative to
+    # the size of its terms (mean |A|), not to the sum, or fp32 rounding of the terms reads as a large error
+    scale = max(abs(float(ref)), float(np.mean([np.abs(s.advantages).mean() for s in samples])))
+    assert abs(packed - float(ref)) <= REL * scale, (packed, float(ref), scale)
     rel = float((g_packed - g_ref).norm() / g_ref.norm())
     assert rel <= REL, rel
     assert g_ref.norm() > 0
