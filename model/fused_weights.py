@@ -36,6 +36,18 @@ class ConcatWeight:
             self._key = key
         return self._weight
 
+    def clear(self) -> None:
+        self._key, self._weight = None, None
+
+
+def clear_weight_caches(model: nn.Module) -> None:
+    """Drop every `ConcatWeight` copy in `model`. For loaders that write weights through `.data` or another
+    alias (vLLM's weight loaders do), which changes neither the storage pointer nor the version counter."""
+    for m in model.modules():
+        for v in vars(m).values():
+            if isinstance(v, ConcatWeight):
+                v.clear()
+
 
 def small_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """linear(x) for a few rows without autograd, through the module's cached transposed weight."""

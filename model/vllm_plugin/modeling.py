@@ -28,6 +28,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
 from model.config import OdysseyConfig
+from model.fused_weights import clear_weight_caches
 from model.modeling import OdysseyDecoderLayer, OdysseyModel
 from model.vllm_plugin.kda import VllmKDA, kda_layer_name, kda_state_dtypes, kda_state_shapes
 from model.vllm_plugin.mla import VllmGatedMLA, mla_attention_name
@@ -165,4 +166,5 @@ class OdysseyVllmForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 loaded.add(name)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
+        clear_weight_caches(self)  # the loaders write through aliases the caches cannot see
         return loaded
