@@ -212,28 +212,32 @@ def ray_head(docker_image):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _kernel_cache_state() -> tuple[int, int, Path]:
-    """(builds in the KDA kernel cache's log, its binary's mtime, its directory)."""
-    from model import artifact_cache, kda_cpu
+def _kernel_cache_state() -> tuple[tuple[int, int], ...]:
+    """(builds in the cache's log, the binary's mtime) of each compiled kernel file (kda_cpu, fused_cpu)."""
+    from model import artifact_cache, fused_cpu, kda_cpu
 
-    where = artifact_cache.cache_root() / kda_cpu.CACHE_NAME / kda_cpu.build_key()
-    so = where / f"{kda_cpu.module_name()}.so"
-    return artifact_cache.build_count(kda_cpu.CACHE_NAME), so.stat().st_mtime_ns, where
+    return tuple(
+        (artifact_cache.build_count(k.cache_name), k.binary.stat().st_mtime_ns)
+        for k in (kda_cpu.KERNELS, fused_cpu.KERNELS)
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_local_run_job_and_local_run_compile_nothing(ray_head, tmp_path):
     """A local `odyssey rollout`, then `ray job submit --working-dir .` (the job and its actors import the
-    package from Ray's uploaded copy, at another path), then a local run again: each loads the KDA kernels
-    from the one content-keyed cache entry (their logs say so) and none compiles (the cache's build log
-    and the binary's mtime do not change). The job's episodes are stored and scored as usual."""
-    from model import kda_cpu
+    package from Ray's uploaded copy, at another path), then a local run again: each loads both kernel files
+    (kda_cpu, fused_cpu) from their one content-keyed cache entry (their logs say so) and none compiles (the
+    caches' build logs and the binaries' mtimes do not change).
+    The job's episodes are stored and scored as usual."""
+    from model import fused_cpu, kda_cpu
 
     address, env = ray_head
-    assert kda_cpu.load() is not None, "kda_cpu.cpp did not build: run python -m model.kda_cpu --verbose"
-    builds, mtime, cache_dir = _kernel_cache_state()
-    loaded = f"kda_cpu: fused CPU kernels from {cache_dir}"
+    for k in (kda_cpu, fused_cpu):
+        assert k.load() is not None, f"{k.SOURCE.name} did not build: run python -m {k.__name__} --verbose"
+    state = _kernel_cache_state()
+    loaded = [f"{k.CACHE_NAME}: fused CPU kernels from {k.KERNELS.binary.parent}"
+              for k in (kda_cpu, fused_cpu)]
     local_env, job_env = {**env, "PYTHONPATH": str(REPO)}, env
     submit = [str(VENV_BIN / "ray"), "job", "submit", "--address", address, "--working-dir", ".",
               "--entrypoint-num-cpus", "1", "--"]  # fmt: skip
@@ -252,8 +256,9 @@ def test_local_run_job_and_local_run_compile_nothing(ray_head, tmp_path):
                            text=True, timeout=600)  # fmt: skip
         out = r.stdout + r.stderr
         assert r.returncode == 0, f"{kind}: {out[-4000:]}"
-        assert loaded in out and "building the fused CPU kernels" not in out, f"{kind}: {out[-4000:]}"
-        assert _kernel_cache_state()[:2] == (builds, mtime), f"{kind} rebuilt the kernels"
+        assert all(line in out for line in loaded), f"{kind}: {out[-4000:]}"
+        assert "building the fused CPU kernels" not in out, f"{kind}: {out[-4000:]}"
+        assert _kernel_cache_state() == state, f"{kind} rebuilt the kernels"
         return run_dir, out
 
     rollout("local")
