@@ -8,9 +8,18 @@
 2. weight sync: seconds of one WeightSync.push (one object in Ray's object store, fetched and loaded by
    every rollout worker) for the `tiny` and `small` presets, 2 workers, median of 3.
 
-Not measured here (stated in the JSON): RL tokens/s against TRL's GRPOTrainer on a dense HF Llama.
+3. RL tokens/s against TRL: our loop (the async run of 1: configs/tiny.yaml as shipped, max_staleness 1;
+   the sync run's figure is recorded too) against TRL's `GRPOTrainer` on a dense HF Llama of tiny's active
+   size (bench/trl_grpo.py: same arith prompts, group size, completions per step, max_new_tokens, sampling,
+   lr and clipping), run between our sync and async runs in this process. RL tokens per step = tokens of
+   the step's sequences: ours = metrics "tokens" (every token of the batch's trajectories: the prompt, the
+   generated tokens and, in multi-turn episodes, the tool results and turn markup between turns; the model
+   generated "generated_tokens" of them); TRL = prompt + completion tokens (its num_input_tokens_seen).
+   tokens/s = tokens of steps 2..N / seconds from the end of step 1 to the end of step N, both sides.
+   Ratio = ours / TRL. Torch threads: ours 1 per rollout worker (2) and 1 per learner rank (1), TRL
+   --trl-threads (default 2) in one process.
 
-    .venv/bin/python bench/train.py [--steps 6] [--init-from runs/tiny/warmup]
+    .venv/bin/python bench/train.py [--steps 6] [--trl-steps 3] [--init-from runs/tiny/warmup]
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "train.json"
 
 
-def run_loop(staleness: int, steps: int, init_from: str | None, run_dir: Path) -> dict:
+def run_loop(
+    staleness: int, steps: int, init_from: str | None, run_dir: Path, cfg_out: list | None = None
+) -> dict:
     from rich.console import Console
 
     from rl.config import load_config
@@ -49,6 +60,8 @@ def run_loop(staleness: int, steps: int, init_from: str | None, run_dir: Path) -
     if init_from:
         overrides.append(f"model.init_from={init_from}")
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), overrides)
+    if cfg_out is not None:
+        cfg_out.append(cfg)
     t0 = time.perf_counter()
     Trainer(cfg, console=Console(file=io.StringIO())).run()
     wall = time.perf_counter() - t0
@@ -63,6 +76,9 @@ def run_loop(staleness: int, steps: int, init_from: str | None, run_dir: Path) -
         "seconds_per_step": span / len(later) if later else None,
         "mean_phase_s": {p: statistics.mean(r[f"time/{p}_s"] for r in later) for p in phases},
         "tokens_per_step": statistics.mean(r["tokens"] for r in recs),
+        "generated_tokens_per_step": statistics.mean(r["generated_tokens"] for r in recs),
+        "learner_tokens_per_step": statistics.mean(r.get("learner/tokens") or 0.0 for r in recs),
+        "tokens_per_s": sum(r["tokens"] for r in later) / span if span > 0 else None,
         "wall_s_with_startup": wall,
     }
 
@@ -106,6 +122,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--init-from", default=None, help="a warm-up checkpoint (e.g. runs/tiny/warmup)")
+    p.add_argument("--trl-steps", type=int, default=3, help="TRL GRPOTrainer steps (the first is not timed)")
+    p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run")
     args = p.parse_args()
     import os
 
@@ -117,8 +135,12 @@ def main() -> None:
     note = "2 shared cores, other jobs running: absolute times are noisy, the ratio is measured in one run"
     out: dict = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "note": note}
     try:
+        from bench.trl_grpo import trl_tokens_per_s
+
         with tempfile.TemporaryDirectory() as tmp:
-            sync = run_loop(0, args.steps, args.init_from, Path(tmp) / "sync")
+            cfgs: list = []
+            sync = run_loop(0, args.steps, args.init_from, Path(tmp) / "sync", cfgs)
+            trl = trl_tokens_per_s(cfgs[0], args.trl_steps, args.trl_threads)
             asyn = run_loop(1, args.steps, args.init_from, Path(tmp) / "async")
         out["sync_vs_async"] = {
             "sync": sync,
@@ -127,16 +149,34 @@ def main() -> None:
             if asyn["steps_per_s"] and sync["steps_per_s"]
             else None,
         }
+        out["rl_tokens_per_s_vs_trl"] = {
+            "policy": f"ours: {args.init_from or 'the fresh tiny preset (random weights)'}; "
+            "TRL: a random-weight Llama",
+            "ours_async_tokens_per_s": asyn["tokens_per_s"],
+            "ours_sync_tokens_per_s": sync["tokens_per_s"],
+            "trl_tokens_per_s": trl["tokens_per_s"],
+            "ratio_ours_async_over_trl": asyn["tokens_per_s"] / trl["tokens_per_s"],
+            "ratio_ours_sync_over_trl": sync["tokens_per_s"] / trl["tokens_per_s"],
+            "trl": trl,
+            "counting": "tokens of each step's sequences (ours: metrics 'tokens' = prompt + generated + tool "
+            "results between turns, up to rollout.max_turns turns; TRL: prompt + completion, one turn), "
+            "over steps 2..N / seconds from the end of step 1 to the end of step N",
+            "reward": "ours: configs/tiny.yaml rewards (outcome, subgoal, process, overlong); TRL: the arith "
+            "answer check only (bench/trl_grpo.answer_reward)",
+        }
         out["weight_sync"] = [weight_sync_seconds("tiny"), weight_sync_seconds("small")]
     finally:
         ray.shutdown()
-    out["not_measured"] = "RL tokens/s against TRL GRPOTrainer on a dense HF Llama (issue 12 bench item 3)"
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=1))
     s = out["sync_vs_async"]
     print(f"sync  {s['sync']['seconds_per_step']:.2f} s/step  phases {s['sync']['mean_phase_s']}")
     print(f"async {s['async']['seconds_per_step']:.2f} s/step  phases {s['async']['mean_phase_s']}")
     print(f"async / sync steps/s: {s['speedup_async_over_sync']:.2f}x")
+    v = out["rl_tokens_per_s_vs_trl"]
+    ours, trl_rate = v["ours_async_tokens_per_s"], v["trl_tokens_per_s"]
+    print(f"RL tokens/s: ours (async) {ours:.0f}, sync {v['ours_sync_tokens_per_s']:.0f}, TRL {trl_rate:.0f}")
+    print(f"ours (async) / TRL GRPOTrainer: {v['ratio_ours_async_over_trl']:.2f}x")
     for w in out["weight_sync"]:
         mb = w["bytes"] / 1e6
         print(f"weight sync {w['preset']}: {mb:.1f} MB to {w['workers']} workers, {w['median_s']:.2f} s")
