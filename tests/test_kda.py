@@ -295,6 +295,7 @@ def test_failed_kernel_build_warns_once_and_falls_back_to_the_torch_path(monkeyp
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     monkeypatch.setattr(kda_cpu.KERNELS, "_loaded", False)  # forget the module this process loaded
+    monkeypatch.setattr(kda_cpu.KERNELS, "_module", None)  # (both restored after the test)
     monkeypatch.setenv("ODYSSEY_CACHE_DIR", str(tmp_path))  # an empty cache: the build must run (and fail)
     q, k, v, g, beta = make_inputs(1, 40, seed=10)
     with pytest.warns(RuntimeWarning, match=r"g\+\+: command not found") as record:
