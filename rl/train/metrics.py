@@ -74,7 +74,64 @@ def batch_stats(batch: Sequence[tuple[Sample, Trajectory]], learner_version: int
         "staleness/mean": sum(stale) / len(stale) if stale else None,
         "staleness/max": max(stale) if stale else None,
     }
+    gen = [t.n_generated for t in trajs]
+    turns = [int(t.metadata.get("n_turns", t.n_assistant_turns)) for t in trajs]
+    out.update(
+        {
+            "length/mean": sum(gen) / len(gen) if gen else None,
+            "length/max": max(gen) if gen else None,
+            "turns/mean": sum(turns) / len(turns) if turns else None,
+            "turns/max": max(turns) if turns else None,
+            "tool_calls": sum(len(i.get("tool_calls") or []) for t in trajs for i in t.step_infos),
+            "tool_errors": sum(len(i.get("tool_errors") or []) for t in trajs for i in t.step_infos),
+        }
+    )
+    for source in ("env", "sandbox", "engine"):
+        out[f"infra/{source}"] = sum(
+            infra_error_of(t) is not None and t.metadata.get("infra_source") == source for t in trajs
+        )
+    # worker-seconds of this batch's episodes (they overlap across workers and with the learner when async)
+    out["time/episodes_s"] = sum(float(t.metadata.get("wall_s", 0.0)) for t in trajs)
+    out["time/reward_s"] = sum(float(t.metadata.get("reward_s", 0.0)) for t in trajs)
     return out
+
+
+def sample_rows(batch: Sequence[tuple[Sample, Trajectory]], n: int) -> list[dict[str, Any]]:
+    """`n` rollouts of the batch as text (TRL's log_completions): the best and the worst by total reward
+    first, then the rest in sample order. Each row: sample key, rewards, outcome, turns, tool calls (call and
+    result), tool errors, and the decoded conversation (`metadata["messages"]`, role: content per message)."""
+    if n <= 0 or not batch:
+        return []
+    items = sorted(batch, key=lambda st: st[0].order)
+    by_reward = sorted(items, key=lambda st: float(st[1].rewards.get("total", float("-inf"))))
+    picked: list[tuple[Sample, Trajectory]] = []
+    for st in [by_reward[-1], by_reward[0], *items]:
+        if len(picked) < n and all(st[0].key != p[0].key for p in picked):
+            picked.append(st)
+    rows = []
+    for s, t in picked:
+        messages = t.metadata.get("messages") or []
+        text = "\n".join(f"[{m.get('role')}] {m.get('content')}" for m in messages if isinstance(m, dict))
+        calls = [
+            {"call": str(c)[:200], "result": str(r)[:200]}
+            for info in t.step_infos
+            for c, r in zip(info.get("tool_calls") or [], info.get("tool_results") or [])
+        ]
+        errors = [str(e)[:200] for info in t.step_infos for e in info.get("tool_errors") or []]
+        rows.append(
+            {
+                "sample": s.key,
+                "reward": _num(t.rewards.get("total")),
+                "rewards": {k: _num(v) for k, v in t.rewards.items()},
+                "outcome": _num(t.outcome),
+                "turns": int(t.metadata.get("n_turns", t.n_assistant_turns)),
+                "tool_calls": calls,
+                "tool_errors": errors,
+                "infra_error": t.infra_error,
+                "text": text,
+            }
+        )
+    return rows
 
 
 def step_record(
