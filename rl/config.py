@@ -280,7 +280,7 @@ class LoggingSection(_Section):
     log_every: int = Field(1, ge=1)  # learner steps between metric lines
     tensorboard: bool = True  # also write each metrics record to <run_dir>/tensorboard (rl/train/sinks.py)
     wandb_project: str | None = None  # also log to this W&B project (needs the wandb package)
-    sample_rollouts: int = Field(2, ge=0)  # rollouts per step logged as text (samples_text.jsonl, TensorBoard)
+    sample_rollouts: int = Field(2, ge=0)  # rollouts per step logged as text (samples_text.jsonl)
 
 
 class StageEntry(_Section):

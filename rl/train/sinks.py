@@ -1,8 +1,9 @@
 """Where each step's metrics record goes: `metrics.jsonl` always, TensorBoard and W&B when configured.
 
     sinks = MetricSinks(run_dir, cfg.logging)
+    sinks.open(first_step)               # TensorBoard / W&B (a resumed run hides the steps it redoes)
     sinks.write(record)                  # the same flat record (metrics.step_record) to every sink
-    sinks.write_samples(step, rows)      # a few decoded rollouts: samples_text.jsonl + a TensorBoard text table
+    sinks.write_samples(step, rows)      # decoded rollouts: samples_text.jsonl + a TensorBoard table
     sinks.close()
 
 Every sink gets exactly the keys and values of the JSONL line (null values are left out of TensorBoard and
@@ -26,10 +27,11 @@ SAMPLES_TEXT_FILE = "samples_text.jsonl"
 class TensorBoardSink:
     """Scalars (one per numeric key of the record) and a markdown text table of sampled rollouts."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        # purge_step: a resumed run hides the events of steps >= purge_step that the crashed run wrote
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
@@ -77,16 +79,22 @@ class WandbSink:
 
 class MetricSinks:
     """The JSONL log (rl.train.metrics.MetricsLog, the record of truth) plus the optional sinks of
-    `logging` (tensorboard: bool, wandb_project: str | None)."""
+    `logging` (tensorboard: bool, wandb_project: str | None), started by `open`."""
 
     def __init__(self, run_dir: str | Path, logging_cfg: Any, config: dict[str, Any] | None = None):
         self.run_dir = Path(run_dir)
         self.jsonl = MetricsLog(self.run_dir)
+        self.logging_cfg, self.config = logging_cfg, config or {}
         self.extra: list[TensorBoardSink | WandbSink] = []
-        if logging_cfg.tensorboard:
-            self.extra.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR))
-        if logging_cfg.wandb_project:
-            self.extra.append(WandbSink(logging_cfg.wandb_project, self.run_dir, config or {}))
+
+    def open(self, first_step: int) -> None:
+        """Start TensorBoard / W&B; `first_step` is the step of the next record (> 1 when resuming)."""
+        self.close()
+        if self.logging_cfg.tensorboard:
+            purge = first_step if first_step > 1 else None
+            self.extra.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR, purge_step=purge))
+        if self.logging_cfg.wandb_project:
+            self.extra.append(WandbSink(self.logging_cfg.wandb_project, self.run_dir, self.config))
 
     def write(self, record: dict[str, Any]) -> None:
         self.jsonl.append(record)

@@ -78,7 +78,7 @@ def stage_problems(cfg: Any) -> list[str]:
                 out.append(f"{where}: set.{key}: fixed for the whole run (one of {', '.join(FIXED_KEYS)})")
         gated = s.until_steps is not None or s.until_eval_success is not None
         if i < n - 1 and not gated:
-            out.append(f"{where}: every stage but the last needs a gate: until_steps and/or until_eval_success")
+            out.append(f"{where}: every stage but the last needs a gate (until_steps, until_eval_success)")
         if i == n - 1 and gated:
             out.append(
                 f"{where}: the last stage runs until learner.steps and has no gate; remove until_steps / "
