@@ -237,7 +237,8 @@ class Trainer:
             self._log(f"the run is complete: step {self.state.step}, learner.steps={self.cfg.learner.steps}")
             return
         demand = cluster_demand(self.cfg)
-        self._started_ray = init_ray(int(demand.get("CPU", 1) + 0.999))
+        started = init_ray(int(demand.get("CPU", 1) + 0.999))
+        self._started_ray = started or getattr(self, "_started_ray", False)  # a stage switch restarts here
         check_fits(self.cfg)
         self.settings = self._worker_settings()
         o, r = self.cfg.orchestrator, self.cfg.rollout
@@ -509,6 +510,15 @@ class Trainer:
                 )
                 self.sinks.write(rec)
                 self.sinks.write_samples(self.state.step, out["samples"])
+                steps_in_stage = self.state.step - self.state.stage_start
+                success = (evaluation or {}).get("success")
+                if self.state.step < total and self.stages.should_advance(
+                    self.state.stage, steps_in_stage, success
+                ):  # the gate is met: no rollout of the next step starts under this stage's limits
+                    self._next_stage(steps_in_stage, success)
+                    last_ckpt = self.state.step
+                    progress.update(rec)
+                    continue
                 if self.state.step < total:  # the next rollouts start before the checkpoint is written
                     self._draw(busy=False)
                     self._poll(timeout=0)
@@ -518,13 +528,6 @@ class Trainer:
                     last_ckpt = self.state.step
                     progress.note(f"checkpoint at step {self.state.step} ({ckpt_s:.1f} s)")
                 progress.update(rec)
-                steps_in_stage = self.state.step - self.state.stage_start
-                success = (evaluation or {}).get("success")
-                if self.state.step < total and self.stages.should_advance(
-                    self.state.stage, steps_in_stage, success
-                ):
-                    self._next_stage(steps_in_stage, success)
-                    last_ckpt = self.state.step
         evals = _read_jsonl(self.run_dir / EVAL_FILE)
         return {
             "run_dir": str(self.run_dir),
