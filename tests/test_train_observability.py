@@ -85,8 +85,10 @@ def test_tensorboard_and_jsonl_hold_the_same_records(staged_run):
     tags = set(acc.Tags()["scalars"])
     for rec in recs:
         numeric = {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))}
-        assert {"reward/total", "success", "learner/loss", "time/learner_s", "length/mean", "stage",
-                "moe/n_dead_experts"} <= set(numeric)  # fmt: skip
+        assert {"reward/total", "success", "learner/loss", "time/learner_s", "time/reward_s", "length/mean",
+                "turns/mean", "tool_calls", "stage", "moe/n_dead_experts", "moe/bias_range_max",
+                "learner/routing_agreement", "learner/replay_changed",
+                "throughput/rollout_tokens_per_s"} <= set(numeric)  # fmt: skip
         assert set(numeric) <= tags, set(numeric) - tags
         for key, value in numeric.items():
             events = {e.step: e.value for e in acc.Scalars(key)}

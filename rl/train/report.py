@@ -68,6 +68,9 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 
 
 def _mark_stages(ax: Any, bounds: list[tuple[int, int]]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for step, stage in bounds:
         ax.axvline(step - 0.5, color="grey", linestyle="--", linewidth=1)
         ax.annotate(f"stage {stage}", (step - 0.5, 1.0), xycoords=("data", "axes fraction"), fontsize=8,
