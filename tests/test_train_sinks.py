@@ -93,3 +93,10 @@ def test_batch_stats_lengths_turns_and_worker_time():
     assert st["turns/mean"] == pytest.approx(2.5) and st["turns/max"] == 4
     assert st["time/episodes_s"] == pytest.approx(10.0) and st["time/reward_s"] == pytest.approx(2.0)
     assert st["infra/env"] == st["infra/sandbox"] == 0
+
+
+def test_train_help_says_how_to_open_tensorboard_and_the_report():
+    from rl.train.cli import _parser
+
+    text = " ".join(_parser().format_help().split())
+    assert "tensorboard --logdir RUN_DIR/tensorboard" in text and "odyssey report RUN_DIR" in text

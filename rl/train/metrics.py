@@ -9,15 +9,23 @@
     dropped/stale, discarded/zero_variance             stale members; DAPO groups drawn but not trained
     infra_retries, worker_restarts                     since the previous record
     staleness/mean, staleness/max                      learner version - oldest token version, over the batch
+    length/mean, length/max, turns/mean, turns/max     generated tokens and assistant turns per episode
+    tool_calls, tool_errors, infra/<env|sandbox|engine>  tool calls and their errors; infra failures by source
     learner/<key>, moe/<key>                           everything Learner.step returned, plain keys under
                                                        learner/ (loss, grad_norm, tokens; learner/kl,
-                                                       learner/entropy, ... as the learner names them)
+                                                       learner/entropy, learner/routing_agreement/layer<l>,
+                                                       learner/replay_changed, moe/layer<l>/max_mean_load,
+                                                       ... as the learner names them; docs/training.md)
     time/<phase>_s                                     seconds: rollout (waiting for the batch), learner,
-                                                       weight_sync, checkpoint, eval, step (all of it)
+                                                       weight_sync, eval, step (all of it); episodes and
+                                                       reward: worker-seconds playing / scoring the batch
+    throughput/rollout_tokens_per_s                    the batch's generated tokens / time/step_s
+    stage                                              index into `stages` (rl/train/stages.py; 0 without)
     eval/<...>                                         held-out evaluation on steps that ran one (eval.py)
 
-A later tool (TensorBoard, reports) reads the JSONL; nothing else writes it. `MetricsLog.keep_first`
-drops the lines a resumed run redoes (they move to `metrics.superseded.jsonl`, nothing is deleted).
+rl/train/sinks.py writes each record to the JSONL and to TensorBoard / W&B; `odyssey report`
+(rl/train/report.py) plots it. `MetricsLog.keep_first` drops the lines a resumed run redoes (they move to
+`metrics.superseded.jsonl`, nothing is deleted).
 """
 
 from __future__ import annotations
