@@ -80,3 +80,18 @@ def test_stage_is_part_of_the_driver_checkpoint_state():
     del old["stage"], old["stage_start"], old["samples_text_lines"]  # a checkpoint written before stages
     back = DriverState.from_json(json.dumps(old))
     assert (back.step, back.stage, back.stage_start) == (7, 0, 0)
+
+
+def test_a_checkpoint_in_a_stage_the_config_no_longer_has_is_refused_before_anything_starts(tmp_path):
+    from rl.train.checkpoint import write_checkpoint
+    from rl.train.loop import BUFFER_FILE, DRIVER_STATE
+
+    def fill(d):
+        (d / BUFFER_FILE).write_bytes(b"")
+        (d / DRIVER_STATE).write_text(DriverState(step=3, version=3, stage=2, stage_start=2).to_json())
+
+    write_checkpoint(tmp_path, 3, fill, keep=2)
+    t = Trainer(_cfg(tmp_path, TWO))
+    with pytest.raises(ValueError, match=r"is in stage 2 \(0-based\), the config has 2 stages"):
+        t.start()
+    assert t.dispatcher is None and t.learner is None

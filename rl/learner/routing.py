@@ -38,6 +38,8 @@ def replay_agreement(
     [n_moe]), and the first router adds its token count to counted[0]. Routers called without replay add
     nothing. The router's forward(x [T, D], replay [T, k]) returns (scores [T, n], idx [T, k], weights)."""
 
+    on_device: list[torch.Tensor | None] = [None] * len(routers)  # counts stay on the device until the end
+
     def hook(j: int):
         def count(module: torch.nn.Module, args: tuple, output: tuple) -> None:
             replay = args[1] if len(args) > 1 else None
@@ -45,7 +47,8 @@ def replay_agreement(
                 return
             with torch.no_grad():
                 free = module.select(output[0])
-                agree[j] += float(routing_agreement(free[:, None, :], output[1][:, None, :])[0])
+                n = routing_agreement(free[:, None, :], output[1][:, None, :])[0]
+                on_device[j] = n if on_device[j] is None else on_device[j] + n
             if j == 0:
                 counted[0] += float(output[1].shape[0])
 
@@ -57,6 +60,9 @@ def replay_agreement(
     finally:
         for h in handles:
             h.remove()
+        for j, n in enumerate(on_device):
+            if n is not None:
+                agree[j] += float(n)
 
 
 __all__ = ["routing_agreement", "replay_agreement"]

@@ -227,7 +227,13 @@ class Trainer:
         if ckpt is None:
             self._log(f"starting a new run in {self.run_dir}")
         write_resolved(self.base_cfg, self.run_dir)
-        self._enter_stage(self.state.stage)
+        n_stages = len(self.base_cfg.stages)
+        if n_stages and self.state.stage >= n_stages:
+            raise ValueError(
+                f"the checkpoint in {self.run_dir} is in stage {self.state.stage} (0-based), the config "
+                f"has {n_stages} stages; restore the config's `stages`, or choose a new logging.run_dir"
+            )
+        self._enter_stage(self.state.stage if n_stages else 0)
         if self.base_cfg.stages:
             self._log(
                 f"stage {self.state.stage + 1}/{len(self.base_cfg.stages)} "
