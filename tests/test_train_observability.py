@@ -13,13 +13,16 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.test_train_ray import DETERMINISTIC, TINY
+from tests.test_train_ray import DETERMINISTIC, TINY, _wait
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -46,12 +49,26 @@ def _trainer(run_dir: Path, steps: int):
 
 @pytest.fixture(scope="module")
 def staged_run(ray_session, tmp_path_factory):
-    """(run dir, log of the 2-step run, log of the resumed 3-step run)."""
+    """(run dir, log of the first run, log of the resumed run). The first run (3 steps) advances to stage
+    `short` after step 1; its learner rank is SIGKILLed once checkpoint 2 is written, so it stops; the
+    same config is then run again and resumes from checkpoint 2."""
+    from rl.train.loop import TrainingStopped
+
     run_dir = tmp_path_factory.mktemp("obs") / "run"
-    trainer, out = _trainer(run_dir, 2)
-    summary = trainer.run()
-    assert summary["steps"] == 2, out.getvalue()[-3000:]
+    trainer, out = _trainer(run_dir, 3)
+
+    def killer() -> None:
+        _wait(lambda: (run_dir / "checkpoints" / "step-000002" / "COMPLETE").exists(), 600, "checkpoint 2")
+        placement = json.loads((run_dir / "placement.json").read_text())
+        os.kill(placement["learner"][0]["pid"], signal.SIGKILL)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    with pytest.raises(TrainingStopped, match="the learner actor died"):
+        trainer.run()
+    t.join(timeout=10)
     first_log = out.getvalue()
+    assert not (run_dir / "checkpoints" / "step-000003").exists(), first_log[-3000:]
     trainer, out = _trainer(run_dir, 3)
     assert trainer.run()["steps"] == 3, out.getvalue()[-3000:]
     return run_dir, first_log, out.getvalue()
@@ -160,6 +177,7 @@ def test_two_stages_advance_at_the_gate_and_resume_in_their_stage(staged_run):
     recs = _records(run_dir)
     assert [r["stage"] for r in recs] == [0, 1, 1]
     assert "stage long done at step 1" in first_log and "entering stage short" in first_log
+    assert "resuming from checkpoint" in resumed_log and "(step 2," in resumed_log
     assert "stage 2/2 (short) since step 1" in resumed_log
     driver = json.loads((run_dir / "checkpoints" / "step-000002" / "driver.json").read_text())
     assert driver["stage"] == 1 and driver["stage_start"] == 1
