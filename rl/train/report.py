@@ -9,7 +9,8 @@ record per step, rl/train/metrics.py), `eval.jsonl` (held-out evaluations), `sam
 which samples each step trained) and the trajectory store (their lengths and turns).
 
 Plots (each a PNG; stage boundaries, the metrics' `stage` changes, are dashed vertical lines):
-    rewards.png       reward/total and success of the trained batches, held-out eval success (and pass@k)
+    rewards.png       reward/total (and its components) and success of the trained batches, held-out eval
+                      success (and pass@k)
     lengths.png       histograms of generated tokens and assistant turns per trained episode, first vs
                       last third of the steps
     expert_load.png   heatmap layer x step of the max/mean expert load (moe/layer<l>/max_mean_load) and
@@ -102,6 +103,11 @@ def plot_rewards(path: Path, records: list[dict], evals: list[dict], bounds: lis
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     a.plot(*_series(records, "reward/total"), marker="o", label="train reward/total")
+    parts = sorted({k for r in records for k in r if k.count("/") == 1 and k.startswith("reward/")} - {
+        "reward/total"
+    })  # the terms (weighted into the total by their reward weights), not their diagnostics (a/b/c)
+    for key in parts[:8]:
+        a.plot(*_series(records, key), linestyle="--", alpha=0.6, label=key)
     a.set_xlabel("step"), a.set_ylabel("reward"), a.set_title("reward (trained batches)")
     b.plot(*_series(records, "success"), marker="o", label="train success")
     ev = [(e["step"], e["success"]) for e in evals if isinstance(e.get("success"), (int, float))]
@@ -136,7 +142,8 @@ def plot_lengths(path: Path, shapes: dict[int, list[tuple[int, int]]]) -> None:
             continue
         name = f"{label} {ss[0]}-{ss[-1]} ({len(eps)} episodes)"
         a.hist([e[0] for e in eps], bins=20, alpha=0.6, label=name)
-        b.hist([e[1] for e in eps], bins=range(0, max(e[1] for e in eps) + 2), alpha=0.6, label=name)
+        b.hist([e[1] for e in eps], bins=[x - 0.5 for x in range(max(e[1] for e in eps) + 2)], alpha=0.6,
+               label=name)
     a.set_xlabel("generated tokens per episode"), a.set_title("lengths")
     b.set_xlabel("assistant turns per episode"), b.set_title("turns")
     for ax in (a, b):
