@@ -267,7 +267,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         lines += ["", "Held-out evaluations (`eval.jsonl`):", "", "| step | success | greedy |",
                   "|---|---|---|"]
         lines += [f"| {e.get('step')} | {_fmt(e.get('success'))} | {_fmt(e.get('greedy'))} |" for e in evals]
-    if bounds or any("stage" in r for r in records):
+    if bounds or any(r.get("stage") for r in records):
         lines += ["", "Stages: " + ", ".join(
             [f"stage {first.get('stage', 0)} from step {first['step']}"]
             + [f"stage {s} from step {st}" for st, s in bounds])]
