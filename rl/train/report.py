@@ -15,6 +15,9 @@ Plots (each a PNG; stage boundaries, the metrics' `stage` changes, are dashed ve
                       last third of the steps
     expert_load.png   heatmap layer x step of the max/mean expert load (moe/layer<l>/max_mean_load) and
                       the dead-expert count per step (moe/n_dead_experts, over model.moe_load_window steps)
+    routing.png       heatmap layer x step of the rollout-vs-learner routing agreement
+                      (learner/routing_agreement/layer<l>), its mean, the share replay changed (R3) and
+                      the staleness
     time.png          the time breakdown per step: rollout wait, learner, weight sync, eval (stacked, wall
                       seconds) and the worker-seconds spent playing and scoring the batch's episodes
 """
@@ -28,8 +31,7 @@ from pathlib import Path
 from typing import Any
 
 REPORT_DIR = "report"
-PLOTS = ("rewards.png", "lengths.png", "expert_load.png", "time.png")
-_LAYER_KEY = re.compile(r"^moe/layer(\d+)/max_mean_load$")
+PLOTS = ("rewards.png", "lengths.png", "expert_load.png", "routing.png", "time.png")
 
 
 def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -157,36 +159,69 @@ def plot_lengths(path: Path, shapes: dict[int, list[tuple[int, int]]]) -> None:
     plt.close(fig)
 
 
-def expert_load_matrix(records: list[dict]) -> tuple[list[int], list[int], list[list[float]]]:
-    """(layers, steps, M[layer][step]) of moe/layer<l>/max_mean_load (NaN where a step has none)."""
-    layers = sorted({int(m.group(1)) for r in records for k in r if (m := _LAYER_KEY.match(k))})
+def layer_matrix(records: list[dict], prefix: str, metric: str) -> tuple[list[int], list[list[float]]]:
+    """(layers, M[layer][step]) of the keys `<prefix>/layer<l>/<metric>` (`<prefix>/layer<l>` when metric
+    is ""), NaN where a step has none."""
+    tail = f"/{metric}" if metric else ""
+    pattern = re.compile(rf"^{re.escape(prefix)}/layer(\d+){re.escape(tail)}$")
+    layers = sorted({int(m.group(1)) for r in records for k in r if (m := pattern.match(k))})
+
+    def value(r: dict, layer: int) -> float:
+        v = r.get(f"{prefix}/layer{layer}{tail}")
+        return float(v) if isinstance(v, (int, float)) else float("nan")
+
+    return layers, [[value(r, l) for r in records] for l in layers]
+
+
+def _heatmap(fig: Any, ax: Any, records: list[dict], prefix: str, metric: str, label: str, bounds: list,
+             **imshow: Any) -> None:
+    import numpy as np
+
+    layers, m = layer_matrix(records, prefix, metric)
     steps = [int(r["step"]) for r in records]
-    nan = float("nan")
-    m = [
-        [float(r[f"moe/layer{l}/max_mean_load"]) if isinstance(r.get(f"moe/layer{l}/max_mean_load"),
-                                                               (int, float)) else nan for r in records]
-        for l in layers
-    ]
-    return layers, steps, m
+    if layers:
+        im = ax.imshow(np.array(m), aspect="auto", origin="lower", interpolation="nearest",
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(layers) - 0.5), **imshow)
+        ax.set_yticks(range(len(layers)), [str(l) for l in layers])
+        fig.colorbar(im, ax=ax, label=label)
+        _mark_stages(ax, bounds)
+    else:
+        ax.text(0.5, 0.5, f"no {prefix}/layer<l> metrics", ha="center", transform=ax.transAxes)
+    ax.set_xlabel("step"), ax.set_ylabel("layer")
 
 
 def plot_expert_load(path: Path, records: list[dict], bounds: list) -> None:
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    layers, steps, m = expert_load_matrix(records)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
-    if layers:
-        im = a.imshow(np.array(m), aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
-                      extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(layers) - 0.5))
-        a.set_yticks(range(len(layers)), [str(l) for l in layers])
-        fig.colorbar(im, ax=a, label="max / mean tokens per expert")
-        _mark_stages(a, bounds)
-    else:
-        a.text(0.5, 0.5, "no MoE expert-load metrics (dense model?)", ha="center", transform=a.transAxes)
-    a.set_xlabel("step"), a.set_ylabel("layer"), a.set_title("expert load (max/mean) per MoE layer")
+    _heatmap(fig, a, records, "moe", "max_mean_load", "max / mean tokens per expert", bounds, cmap="viridis")
+    a.set_title("expert load (max/mean) per MoE layer")
+    from matplotlib.ticker import MaxNLocator
+
     b.plot(*_series(records, "moe/n_dead_experts"), marker="o", color="C3")
+    b.yaxis.set_major_locator(MaxNLocator(integer=True))
+    b.set_ylim(bottom=-0.5, top=max([1.0, *_series(records, "moe/n_dead_experts")[1]]) + 0.5)
     b.set_xlabel("step"), b.set_ylabel("experts"), b.set_title("dead experts (all layers, over the window)")
+    b.grid(alpha=0.3)
+    _mark_stages(b, bounds)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_routing(path: Path, records: list[dict], bounds: list) -> None:
+    """Rollout vs learner routing agreement per MoE layer and step; the share replay changed (R3)."""
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    _heatmap(fig, a, records, "learner/routing_agreement", "", "share of tokens, same top-k set", bounds,
+             cmap="magma", vmin=0.0, vmax=1.0)
+    a.set_title("routing agreement rollout vs learner per MoE layer")
+    b.plot(*_series(records, "learner/routing_agreement"), marker="o", label="agreement (mean over layers)")
+    b.plot(*_series(records, "learner/replay_changed"), marker="s", label="changed by replay (R3)")
+    b.plot(*_series(records, "staleness/mean"), linestyle=":", label="staleness/mean (versions)")
+    b.set_xlabel("step"), b.set_title("agreement, replay, staleness")
+    b.legend(fontsize=8)
     b.grid(alpha=0.3)
     _mark_stages(b, bounds)
     fig.tight_layout()
@@ -247,6 +282,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     plot_rewards(out / "rewards.png", records, evals, bounds)
     plot_lengths(out / "lengths.png", episode_shapes(run_dir))
     plot_expert_load(out / "expert_load.png", records, bounds)
+    plot_routing(out / "routing.png", records, bounds)
     plot_time(out / "time.png", records, bounds)
 
     first, last = records[0], records[-1]
@@ -281,6 +317,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         "",
         "## Expert load",
         "![expert load](expert_load.png)",
+        "",
+        "## Routing: rollout vs learner",
+        "![routing](routing.png)",
         "",
         "## Time",
         "![time](time.png)",
