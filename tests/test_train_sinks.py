@@ -100,3 +100,16 @@ def test_train_help_says_how_to_open_tensorboard_and_the_report():
 
     text = " ".join(_parser().format_help().split())
     assert "tensorboard --logdir RUN_DIR/tensorboard" in text and "odyssey report RUN_DIR" in text
+
+
+def test_a_long_conversation_keeps_its_head_and_tail():
+    from rl.train.metrics import SAMPLE_TEXT_CHARS
+
+    batch = _group(0, [0.0, 1.0])
+    long = "x" * 10 + "y" * (3 * SAMPLE_TEXT_CHARS) + "z" * 10
+    for _, t in batch:
+        t.metadata["messages"] = [{"role": "user", "content": long}]
+    text = sample_rows(batch, 1)[0]["text"]
+    assert text.startswith("[user] xxxxxxxxxx") and text.endswith("z" * 10)
+    assert f"[... {len('[user] ' + long) - SAMPLE_TEXT_CHARS} characters cut ...]" in text
+    assert len(text) < SAMPLE_TEXT_CHARS + 100

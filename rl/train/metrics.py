@@ -104,10 +104,21 @@ def batch_stats(batch: Sequence[tuple[Sample, Trajectory]], learner_version: int
     return out
 
 
+SAMPLE_TEXT_CHARS = 16_000  # per logged rollout: long-context conversations keep their head and tail
+
+
+def _clip(text: str, limit: int = SAMPLE_TEXT_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+
+
 def sample_rows(batch: Sequence[tuple[Sample, Trajectory]], n: int) -> list[dict[str, Any]]:
     """`n` rollouts of the batch as text (TRL's log_completions): the best and the worst by total reward
     first, then the rest in sample order. Each row: sample key, rewards, outcome, turns, tool calls (call and
-    result), tool errors, and the decoded conversation (`metadata["messages"]`, role: content per message)."""
+    result), tool errors, and the decoded conversation (`metadata["messages"]`, "[role] content" per message;
+    longer than SAMPLE_TEXT_CHARS, its middle is cut)."""
     if n <= 0 or not batch:
         return []
     items = sorted(batch, key=lambda st: st[0].order)
@@ -119,7 +130,8 @@ def sample_rows(batch: Sequence[tuple[Sample, Trajectory]], n: int) -> list[dict
     rows = []
     for s, t in picked:
         messages = t.metadata.get("messages") or []
-        text = "\n".join(f"[{m.get('role')}] {m.get('content')}" for m in messages if isinstance(m, dict))
+        lines = [f"[{m.get('role')}] {m.get('content')}" for m in messages if isinstance(m, dict)]
+        text = _clip("\n".join(lines))
         calls = [
             {"call": str(c)[:200], "result": str(r)[:200]}
             for info in t.step_infos
