@@ -142,6 +142,8 @@ class Trainer:
         self.ledger_discarded: list[str] = []
         self.learner: LearnerClient | None = None
         self.dispatcher: Dispatcher | None = None
+        self._started_ray = False  # we started an embedded Ray (and shut it down in close)
+        self._switching_stage = False  # start() runs again for the next stage (rl/train/stages.py)
 
     # ------------------------------------------------------------------ setup
     def _enter_stage(self, index: int) -> None:
@@ -206,7 +208,7 @@ class Trainer:
                 f"note: the config differs from the run's config.yaml in {', '.join(changed)}; "
                 "resuming with the new values"
             )
-        if getattr(self, "_switching_stage", False):
+        if self._switching_stage:
             return ckpt
         self.state.resumes.append({"from_step": self.state.step, "time": time.time()})
         self._log(
@@ -244,7 +246,7 @@ class Trainer:
             return
         demand = cluster_demand(self.cfg)
         started = init_ray(int(demand.get("CPU", 1) + 0.999))
-        self._started_ray = started or getattr(self, "_started_ray", False)  # a stage switch restarts here
+        self._started_ray = started or self._started_ray  # a stage switch calls start() again
         check_fits(self.cfg)
         self.settings = self._worker_settings()
         o, r = self.cfg.orchestrator, self.cfg.rollout
@@ -577,7 +579,7 @@ class Trainer:
         self._close_actors()
         self.sinks.close()
         t1 = time.perf_counter()
-        if getattr(self, "_started_ray", False):
+        if self._started_ray:
             import ray
 
             ray.shutdown()
