@@ -113,3 +113,41 @@ def test_a_long_conversation_keeps_its_head_and_tail():
     assert text.startswith("[user] xxxxxxxxxx") and text.endswith("z" * 10)
     assert f"[... {len('[user] ' + long) - SAMPLE_TEXT_CHARS} characters cut ...]" in text
     assert len(text) < SAMPLE_TEXT_CHARS + 100
+
+
+class _FakeWandb:
+    """Stands in for the `wandb` module (not installed here): records what the sink calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def init(self, **kw):
+        self.calls.append(("init", kw))
+        return self
+
+    def log(self, values, step):
+        self.calls.append(("log", values, step))
+
+    def Table(self, columns, data):  # noqa: N802 (wandb's name)
+        return {"columns": columns, "data": data}
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def test_wandb_gets_the_records_keys_and_values_at_their_step(tmp_path, monkeypatch):
+    """Only the mapping (a fake module; no W&B run was made here): the record without nulls, at its step."""
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    sinks = MetricSinks(tmp_path, _logging(tensorboard=False, wandb_project="proj"), {"learner": {"lr": 1.0}})
+    sinks.open(first_step=1)
+    sinks.write({"step": 2, "reward/total": 0.5, "learner/kl": None})
+    sinks.write_samples(2, [{"sample": "train/0/0", "rewards": {"total": 0.5}, "text": "hi"}])
+    sinks.close()
+    init = {"project": "proj", "dir": str(tmp_path), "config": {"learner": {"lr": 1.0}}, "resume": "allow",
+            "name": tmp_path.name}
+    assert fake.calls[0] == ("init", init)
+    assert fake.calls[1] == ("log", {"reward/total": 0.5}, 2)
+    table = fake.calls[2][1]["samples"]
+    assert fake.calls[2][2] == 2 and table["columns"] == ["sample", "rewards", "text"]
+    assert table["data"] == [["train/0/0", '{"total": 0.5}', "hi"]] and fake.calls[3] == ("finish",)
