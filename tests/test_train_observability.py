@@ -13,16 +13,13 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import shutil
-import signal
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.test_train_ray import DETERMINISTIC, TINY, _wait
+from tests.test_train_ray import DETERMINISTIC, TINY, kill_learner_after_checkpoint
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -56,14 +53,7 @@ def staged_run(ray_session, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("obs") / "run"
     trainer, out = _trainer(run_dir, 3)
-
-    def killer() -> None:
-        _wait(lambda: (run_dir / "checkpoints" / "step-000002" / "COMPLETE").exists(), 600, "checkpoint 2")
-        placement = json.loads((run_dir / "placement.json").read_text())
-        os.kill(placement["learner"][0]["pid"], signal.SIGKILL)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
+    t = kill_learner_after_checkpoint(run_dir, 2)
     with pytest.raises(TrainingStopped, match="the learner actor died"):
         trainer.run()
     t.join(timeout=10)
