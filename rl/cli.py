@@ -10,6 +10,7 @@ Each command group lives with the code it drives; this file only dispatches:
     odyssey warmup CONFIG --out DIR           -> rl.warmup.cli_main
     odyssey train CONFIG [k=v ...]            -> rl.train.cli.cli_main
     odyssey eval CONFIG --checkpoint DIR      -> rl.train.eval.cli_main
+    odyssey report RUN_DIR                    -> rl.train.report.cli_main
 
 Imports are lazy so `odyssey --help` answers instantly and one broken group cannot break the others.
 Every run command (RUN_COMMANDS) first reaps the sandbox containers of dead owners on this host
@@ -31,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "RL training on Ray (resumes from the latest checkpoint): train CONFIG",
     ),
     "eval": ("rl.train.eval", "cli_main", "held-out evaluation: eval CONFIG --checkpoint DIR --episodes N"),
+    "report": ("rl.train.report", "cli_main", "plots and report.md of a training run: report RUN_DIR"),
     "config": ("rl.config", "cli_main", "show a resolved run config: config show FILE [k=v ...]"),
     "model": ("model.count", "cli_main", "model tools: model params --preset tiny|small|k3 [--json]"),
     "sandbox": ("sandbox.image", "cli_main", "sandbox image and containers: sandbox build|ls|gc"),

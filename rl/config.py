@@ -278,6 +278,18 @@ class LoggingSection(_Section):
 
     run_dir: str = "runs/default"
     log_every: int = Field(1, ge=1)  # learner steps between metric lines
+    tensorboard: bool = True  # also write each metrics record to <run_dir>/tensorboard (rl/train/sinks.py)
+    wandb_project: str | None = None  # also log to this W&B project (needs the wandb package)
+    sample_rollouts: int = Field(2, ge=0)  # rollouts per step logged as text (samples_text.jsonl)
+
+
+class StageEntry(_Section):
+    """One stage of a progressive run (rl/train/stages.py): overrides and the gate that ends it."""
+
+    name: str = Field(min_length=1)
+    set: dict[str, Any] = Field(default_factory=dict)  # dotted env./rollout./learner./rewards. keys
+    until_steps: int | None = Field(None, ge=1)  # advance after this many steps in the stage
+    until_eval_success: float | None = Field(None, ge=0.0, le=1.0)  # ... or when a held-out eval reaches it
 
 
 def _default_rewards() -> list[RewardEntry]:
@@ -295,6 +307,7 @@ class RunConfig(_Section):
     orchestrator: OrchestratorSection = Field(default_factory=OrchestratorSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     warmup: WarmupSection = Field(default_factory=WarmupSection)
+    stages: list[StageEntry] = Field(default_factory=list)  # progressive stages; [] = one stage
 
     @model_validator(mode="after")
     def _meaning(self) -> RunConfig:
@@ -306,6 +319,10 @@ class RunConfig(_Section):
             + _reward_problems(self.rewards)
             + _env_problems(self.env, self.rewards)
         )
+        if not problems and self.stages:
+            from rl.train.stages import stage_problems
+
+            problems = stage_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -113,7 +113,7 @@ def test_unknown_key_names_path_and_closest_key(tmp_path):
     assert problems_of(write(tmp_path, "seed: 1\nzzzz: 2\n")) == [
         "seed: unknown key; did you mean 'env.dataset.seed' or 'rollout.seed' or 'learner.seed'?",
         "zzzz: unknown key (valid keys here: model, env, rewards, rollout, learner, orchestrator, logging, "
-        "warmup)",
+        "warmup, stages)",
     ]
     assert problems_of(TINY, ["rewards.0.wieght=1"]) == [
         "rewards.0.wieght: unknown key; did you mean 'rewards.0.weight'?"

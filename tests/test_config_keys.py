@@ -26,7 +26,7 @@ from rl.config import RunConfig, _leaf_paths, _submodel, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-SECTIONS = ("model", "env", "rewards", "rollout", "logging", "learner", "orchestrator")
+SECTIONS = ("model", "env", "rewards", "rollout", "logging", "learner", "orchestrator", "stages")
 # playing real episodes: multi-turn dataset-qa (wrong answers get another try), short turns
 PLAY = (
     "env.kwargs={verifier: exact-match, multi_turn: true}",
@@ -211,6 +211,47 @@ def ray_demand(cfg: RunConfig) -> Any:
     return cluster_demand(cfg)
 
 
+def metric_sinks(cfg: RunConfig) -> Any:
+    """The sinks the training loop opens for its metrics records (or the error that stops it)."""
+    from rl.train.loop import Trainer
+
+    sinks = Trainer(cfg).sinks
+    try:
+        sinks.open(first_step=1)
+    except RuntimeError as e:
+        return str(e)
+    kinds = [type(s).__name__ for s in sinks.extra]
+    sinks.close()
+    return kinds
+
+
+def sampled_rollouts(cfg: RunConfig) -> list[str]:
+    """The samples the training loop logs as text for a batch of two groups of three."""
+    from rl.train.loop import Trainer
+    from rl.train.metrics import sample_rows
+    from tests.test_train_unit import _group
+
+    batch = _group(0, [0.0, 1.0, 0.5]) + _group(1, [0.2, 0.3, 0.4])
+    trainer = Trainer(cfg)
+    return [r["sample"] for r in sample_rows(batch, trainer.cfg.logging.sample_rollouts)]
+
+
+STAGED = (
+    "orchestrator.eval_every=5",
+    "stages=[{name: short, set: {rollout.max_tokens: 256}, until_steps: 3, until_eval_success: 0.5},"
+    " {name: long, set: {rollout.max_tokens: 512}}]",
+)
+
+
+def stage_plan(cfg: RunConfig) -> dict[str, Any]:
+    """What the training loop runs in stage 0 and when it leaves it (steps done, held-out success)."""
+    from rl.train.loop import Trainer
+
+    t = Trainer(cfg)
+    gate = {(n, s): t.stages.should_advance(0, n, s) for n in (1, 2, 3, 4) for s in (None, 0.4, 0.7)}
+    return {"name": t.stages.name(0), "max_tokens": t.cfg.rollout.max_tokens, "gate": gate}
+
+
 def progress_lines(cfg: RunConfig) -> int:
     """Lines the training loop's progress display prints over 4 steps (as Trainer.run builds it)."""
     from rich.console import Console
@@ -369,6 +410,14 @@ PROBES: dict[str, Probe] = {
     # logging
     "logging.run_dir": Probe("logging.run_dir=<tmp>/elsewhere", trainer("run_dir")),
     "logging.log_every": Probe("logging.log_every=2", progress_lines),
+    "logging.tensorboard": Probe("logging.tensorboard=false", metric_sinks),
+    "logging.wandb_project": Probe("logging.wandb_project=odyssey-probe", metric_sinks),
+    "logging.sample_rollouts": Probe("logging.sample_rollouts=4", sampled_rollouts),
+    # stages
+    "stages.N.name": Probe("stages.0.name=warm", stage_plan, STAGED),
+    "stages.N.set": Probe("stages.0.set={rollout.max_tokens: 384}", stage_plan, STAGED),
+    "stages.N.until_steps": Probe("stages.0.until_steps=2", stage_plan, STAGED),
+    "stages.N.until_eval_success": Probe("stages.0.until_eval_success=0.8", stage_plan, STAGED),
 }
 
 GAE = ("learner.advantage=gae",)

@@ -330,6 +330,20 @@ def test_rollout_worker_killed_mid_step_is_replaced_and_nothing_is_lost(ray_sess
     assert ev["eval/episodes"] == 6 and ev["eval/success"] is not None and ev["eval/pass@2"] is not None
 
 
+def kill_learner_after_checkpoint(run_dir: Path, step: int) -> threading.Thread:
+    """A started thread that SIGKILLs learner rank 0 (placement.json) once checkpoint `step` is complete."""
+
+    def killer() -> None:
+        done = run_dir / "checkpoints" / f"step-{step:06d}" / "COMPLETE"
+        _wait(done.exists, 600, f"checkpoint {step}")
+        placement = json.loads((run_dir / "placement.json").read_text())
+        os.kill(placement["learner"][0]["pid"], signal.SIGKILL)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    return t
+
+
 @pytest.fixture(scope="module")
 def stopped_run(ray_session, tmp_path_factory):
     """A deterministic run whose learner rank is SIGKILLed once checkpoint 1 is written: (run dir, the
@@ -338,14 +352,7 @@ def stopped_run(ray_session, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
     trainer, out = _in_process_trainer(ray_session, run_dir, "learner.steps=4", *DETERMINISTIC)
-
-    def killer() -> None:
-        _wait(lambda: (run_dir / "checkpoints" / "step-000001" / "COMPLETE").exists(), 600, "checkpoint 1")
-        placement = json.loads((run_dir / "placement.json").read_text())
-        os.kill(placement["learner"][0]["pid"], signal.SIGKILL)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
+    t = kill_learner_after_checkpoint(run_dir, 1)
     try:
         trainer.run()
     except TrainingStopped as e:

@@ -53,7 +53,7 @@ from rl.learner.losses import aggregation_weights, objective, value_loss
 from rl.learner.off_policy import correction_weights
 from rl.learner.optim import build_optimizer, build_scheduler, clip_gradients
 from rl.learner.packing import MicroBatch, collate, pack
-from rl.learner.routing import routing_agreement
+from rl.learner.routing import replay_agreement, routing_agreement
 from rl.learner.sharding import RankPlan, plan_step
 from rl.learner.value import Critic, build_value_model
 from rl.trajectory import Trajectory
@@ -281,18 +281,22 @@ class Learner:
                 s.advantages, s.returns = adv.numpy(), ret.numpy()
                 stats.sums["advantage_sum"] += float(adv.sum())
         losses, norms = [], []
-        for epoch in range(lc.ppo_epochs):
-            for m, ids in enumerate(plan.minibatches):
-                loss, norm = self._optimizer_step(
-                    [by_index[i] for i in ids],
-                    plan.n_tokens[m],
-                    plan.n_episodes[m],
-                    fused_old,
-                    first_epoch=epoch == 0,
-                    routing=measure_routing and fused_old,
-                )
-                losses.append(loss)
-                norms.append(norm)
+        moe_layers = [self.policy.model.layers[l].mlp for l in self.policy.moe_layer_indices]
+        replayed = [0.0]  # R3: tokens whose free routing was compared with the replayed experts
+        with replay_agreement([m.router for m in moe_layers] if self.replay else [], stats.agree, replayed):
+            for epoch in range(lc.ppo_epochs):
+                for m, ids in enumerate(plan.minibatches):
+                    loss, norm = self._optimizer_step(
+                        [by_index[i] for i in ids],
+                        plan.n_tokens[m],
+                        plan.n_episodes[m],
+                        fused_old,
+                        first_epoch=epoch == 0,
+                        routing=measure_routing and fused_old,
+                    )
+                    losses.append(loss)
+                    norms.append(norm)
+        stats.agree_tokens += replayed[0]
         self.policy_steps += 1
         stats.sums["tokens"] = float(sum(s.n_tokens for s in samples))
         if self.distributed:
@@ -326,11 +330,17 @@ class Learner:
         if lc.advantage == "gae":
             out["learner/value_loss"] = sums["value_loss"] / n_opt
             out["learner/advantage_mean"] = sums["advantage_sum"] / scored
-        if measure_routing and stats.agree_tokens > 0:
+        if stats.agree_tokens > 0:  # R3 off: learner vs rollout; R3 on: free routing vs the replayed experts
             frac = (stats.agree / stats.agree_tokens).tolist()
             for l, f in zip(self.policy.moe_layer_indices, frac):
                 out[f"learner/routing_agreement/layer{l}"] = f
             out["learner/routing_agreement"] = float(np.mean(frac))
+            if self.replay:
+                out["learner/replay_changed"] = 1.0 - out["learner/routing_agreement"]
+        for l, moe in zip(self.policy.moe_layer_indices, moe_layers):  # the balancer's bias b after the step
+            out[f"moe/layer{l}/bias_range"] = float(moe.bias.max() - moe.bias.min())
+        if moe_layers:
+            out["moe/bias_range_max"] = max(float(moe.bias.max() - moe.bias.min()) for moe in moe_layers)
         out["learner/tokens_per_s"] = out["tokens"] * lc.ppo_epochs / max(out["learner/step_s"], 1e-9)
         out.update(
             {k: float(v) for k, v in self.policy.expert_load_metrics().items() if isinstance(v, (int, float))}

@@ -5,9 +5,16 @@ With `learner.routing_replay: true` every learner forward is given the experts t
 gradient flows through exactly the experts that produced the sampled tokens (the router keeps its gradient
 through the weights p; model/moe.py). With it off the learner routes freely, and this module measures the
 drift: per MoE layer, the fraction of tokens whose top-k expert *set* equals the rollout's.
+
+With it on, `replay_agreement` measures the same thing inside the replayed forwards: a forward hook on each
+MoE router compares the router's own free choice topk(s + b) (from the scores the replayed forward computes
+anyway) with the replayed set, so `1 - agreement` is the share of tokens whose experts replay changed.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -22,4 +29,40 @@ def routing_agreement(learner: torch.Tensor, rollout: torch.Tensor) -> torch.Ten
     return (a == b).all(dim=-1).sum(dim=0)
 
 
-__all__ = ["routing_agreement"]
+@contextlib.contextmanager
+def replay_agreement(
+    routers: Sequence[torch.nn.Module], agree: torch.Tensor, counted: list[float]
+) -> Iterator[None]:
+    """While open, every router forward given replay_experts adds, per MoE layer j (routers in
+    moe_layer_indices order), the tokens whose free top-k set equals the replayed set to agree[j] (float64
+    [n_moe]), and the first router adds its token count to counted[0]. Routers called without replay add
+    nothing. The router's forward(x [T, D], replay [T, k]) returns (scores [T, n], idx [T, k], weights)."""
+
+    on_device: list[torch.Tensor | None] = [None] * len(routers)  # counts stay on the device until the end
+
+    def hook(j: int):
+        def count(module: torch.nn.Module, args: tuple, output: tuple) -> None:
+            replay = args[1] if len(args) > 1 else None
+            if replay is None:
+                return
+            with torch.no_grad():
+                free = module.select(output[0])
+                n = routing_agreement(free[:, None, :], output[1][:, None, :])[0]
+                on_device[j] = n if on_device[j] is None else on_device[j] + n
+            if j == 0:
+                counted[0] += float(output[1].shape[0])
+
+        return count
+
+    handles = [r.register_forward_hook(hook(j)) for j, r in enumerate(routers)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for j, n in enumerate(on_device):
+            if n is not None:
+                agree[j] += float(n)
+
+
+__all__ = ["routing_agreement", "replay_agreement"]

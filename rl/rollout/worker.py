@@ -398,7 +398,9 @@ class RolloutWorker:
         if self._specs:
             from rewards import acompose
 
+            t0 = time.perf_counter()
             await acompose(traj, self._specs)
+            traj.metadata["reward_s"] = round(time.perf_counter() - t0, 4)  # the metrics' time/reward_s
         return traj
 
     async def _store_and_count(self, traj: Trajectory) -> None:

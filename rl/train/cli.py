@@ -4,6 +4,7 @@
     odyssey train configs/tiny.yaml learner.steps=40 model.init_from=$PWD/runs/tiny/warmup
     ray job submit --working-dir . -- odyssey train configs/tiny.yaml logging.run_dir=$PWD/runs/tiny
 
+Watch it with `tensorboard --logdir <run_dir>/tensorboard`; `odyssey report <run_dir>` draws the plots.
 Joins the Ray cluster of RAY_ADDRESS (as `ray job submit` sets it) or starts an embedded one. With
 `orchestrator.resume: true` (the default) the same command continues from the latest complete checkpoint
 in `logging.run_dir` and says so. Exit codes: 0 done, 1 the run stopped (the message says how to resume),
@@ -24,6 +25,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a policy with agentic RL: rollout workers and a learner on Ray, async with "
         "bounded staleness (orchestrator.max_staleness), checkpoints every orchestrator.checkpoint_every "
         "steps; the same command resumes a run from its latest checkpoint.",
+        epilog="watch a run: every step's metrics go to RUN_DIR/metrics.jsonl and to TensorBoard: "
+        "`tensorboard --logdir RUN_DIR/tensorboard` (then open http://localhost:6006; on a remote machine "
+        "`ssh -L 6006:localhost:6006 HOST` first). Sampled rollouts as text: RUN_DIR/samples_text.jsonl and "
+        "TensorBoard's Text tab. Plots and a report.md, also while the run goes on or after a crash: "
+        "`odyssey report RUN_DIR`. RUN_DIR is logging.run_dir. Docs: docs/training.md.",
     )
     p.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
     p.add_argument(

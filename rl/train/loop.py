@@ -55,8 +55,10 @@ from rl.rollout.worker import RolloutWorker, WorkerSettings
 from rl.train.buffer import ExperienceBuffer
 from rl.train.checkpoint import latest_checkpoint, write_checkpoint
 from rl.train.learner_client import LearnerClient, LearnerDied
-from rl.train.metrics import MetricsLog, ProgressLine, batch_stats, step_record
+from rl.train.metrics import ProgressLine, batch_stats, sample_rows, step_record
 from rl.train.placement import actor_options, check_fits, cluster_demand, torch_threads
+from rl.train.sinks import SAMPLES_TEXT_FILE, MetricSinks
+from rl.train.stages import StageController, stage_config
 from rl.train.weight_sync import WeightSync
 from rl.trajectory import TrajectoryStore
 
@@ -86,6 +88,9 @@ class DriverState:
     eval_lines: int = 0
     store_files: list[str] = field(default_factory=list)
     resumes: list[dict] = field(default_factory=list)
+    samples_text_lines: int = 0
+    stage: int = 0  # index into cfg.stages (rl/train/stages.py)
+    stage_start: int = 0  # the step the current stage began at
 
     def to_json(self) -> str:
         return json.dumps({"state_version": STATE_VERSION, **dataclasses.asdict(self)}, indent=1)
@@ -115,18 +120,19 @@ class Trainer:
         console: Console | None = None,
         worker_cls: type = RolloutWorker,
     ):
-        self.cfg = cfg
+        self.base_cfg = cfg  # with its `stages`; self.cfg is the current stage's effective config
+        self.stages = StageController(cfg.stages)
         self.config_path = config_path
         self.console = console or Console()
         self.worker_cls = worker_cls
-        o, r = cfg.orchestrator, cfg.rollout
+        o = cfg.orchestrator
         self.group_size = cfg.learner.group_size if cfg.learner.advantage in ("grpo", "rloo") else 1
-        self.groups_per_step = max(1, r.episodes // self.group_size)
         self.k = o.max_staleness
         self.run_dir = Path(cfg.logging.run_dir).expanduser().resolve()
         self.store = TrajectoryStore(self.run_dir / "trajectories")
-        self.metrics = MetricsLog(self.run_dir)
-        self.stream = task_stream(cfg, "train")  # env.dataset: rows of its train split
+        self.sinks = MetricSinks(self.run_dir, cfg.logging, cfg.model_dump(mode="json"))
+        self.metrics = self.sinks.jsonl
+        self._enter_stage(0)
         self.buffer = ExperienceBuffer(self.group_size, o.buffer_order)
         self.state = DriverState()
         self.sync = WeightSync(o.weight_sync_timeout_s)
@@ -136,8 +142,16 @@ class Trainer:
         self.ledger_discarded: list[str] = []
         self.learner: LearnerClient | None = None
         self.dispatcher: Dispatcher | None = None
+        self._started_ray = False  # we started an embedded Ray (and shut it down in close)
+        self._switching_stage = False  # start() runs again for the next stage (rl/train/stages.py)
 
     # ------------------------------------------------------------------ setup
+    def _enter_stage(self, index: int) -> None:
+        """Make stage `index`'s effective config current (before actors are started from it)."""
+        self.cfg = stage_config(self.base_cfg, index) if self.base_cfg.stages else self.base_cfg
+        self.groups_per_step = max(1, self.cfg.rollout.episodes // self.group_size)
+        self.stream = task_stream(self.cfg, "train")  # env.dataset: rows of its train split
+
     def _log(self, msg: str) -> None:
         self.console.print(f"odyssey train: {msg}", highlight=False, markup=False, soft_wrap=True)
 
@@ -180,6 +194,7 @@ class Trainer:
         moved = self.metrics.keep_first(self.state.metrics_lines)
         _keep_first_lines(self.run_dir / LEDGER_FILE, self.state.ledger_lines)
         _keep_first_lines(self.run_dir / EVAL_FILE, self.state.eval_lines)
+        _keep_first_lines(self.run_dir / SAMPLES_TEXT_FILE, self.state.samples_text_lines)
         kept = set(self.state.store_files)
         aside = self.store.root / "superseded"
         later = [p for p in self.store.files() if p.name not in kept]
@@ -187,12 +202,14 @@ class Trainer:
             aside.mkdir(exist_ok=True)
             for p in later:
                 os.replace(p, aside / p.name)
-        changed = _config_changes(self.run_dir, self.cfg)
+        changed = _config_changes(self.run_dir, self.base_cfg)
         if changed:
             self._log(
                 f"note: the config differs from the run's config.yaml in {', '.join(changed)}; "
                 "resuming with the new values"
             )
+        if self._switching_stage:
+            return ckpt
         self.state.resumes.append({"from_step": self.state.step, "time": time.time()})
         self._log(
             f"resuming from checkpoint {ckpt} (step {self.state.step}, {len(self.state.pending)} episodes "
@@ -211,12 +228,25 @@ class Trainer:
         ckpt = self._resume()
         if ckpt is None:
             self._log(f"starting a new run in {self.run_dir}")
-        write_resolved(self.cfg, self.run_dir)
+        write_resolved(self.base_cfg, self.run_dir)
+        n_stages = len(self.base_cfg.stages)
+        if n_stages and self.state.stage >= n_stages:
+            raise ValueError(
+                f"the checkpoint in {self.run_dir} is in stage {self.state.stage} (0-based), the config "
+                f"has {n_stages} stages; restore the config's `stages`, or choose a new logging.run_dir"
+            )
+        self._enter_stage(self.state.stage if n_stages else 0)
+        if self.base_cfg.stages:
+            self._log(
+                f"stage {self.state.stage + 1}/{len(self.base_cfg.stages)} "
+                f"({self.stages.name(self.state.stage)}) since step {self.state.stage_start}"
+            )
         if self.state.step >= self.cfg.learner.steps:
             self._log(f"the run is complete: step {self.state.step}, learner.steps={self.cfg.learner.steps}")
             return
         demand = cluster_demand(self.cfg)
-        self._started_ray = init_ray(int(demand.get("CPU", 1) + 0.999))
+        started = init_ray(int(demand.get("CPU", 1) + 0.999))
+        self._started_ray = started or self._started_ray  # a stage switch calls start() again
         check_fits(self.cfg)
         self.settings = self._worker_settings()
         o, r = self.cfg.orchestrator, self.cfg.rollout
@@ -238,6 +268,7 @@ class Trainer:
         self.dispatcher.wait_ready(o.weight_sync_timeout_s)
         self._push_weights(publish=False)  # version 0 (or the checkpoint's) to every worker
         self._record_placement(learner_info)
+        self.sinks.open(self.state.step + 1)
         self._log(
             f"{r.num_workers} rollout workers and the learner ready in {time.perf_counter() - t0:.1f} s; "
             f"{self.groups_per_step} groups of {self.group_size} per step, max_staleness {self.k}"
@@ -348,6 +379,7 @@ class Trainer:
             "batch": batch_stats(batch, version),
             "learner": learner_metrics,
             "timings": {"learner": learner_s, "weight_sync": sync_s},
+            "samples": sample_rows(batch, self.cfg.logging.sample_rollouts),
         }
 
     def _check_infra(self, batch: list) -> None:
@@ -386,6 +418,7 @@ class Trainer:
         self.state.pending = [s.to_dict() for s in sorted(train_pending, key=lambda s: s.order)]
         self.state.store_files = [p.name for p in self.store.files()]
         self.state.metrics_lines = self.metrics.line_count()
+        self.state.samples_text_lines = len(_read_jsonl(self.run_dir / SAMPLES_TEXT_FILE))
 
         def fill(tmp: Path) -> None:
             self.learner.save(tmp / LEARNER_DIR)
@@ -479,7 +512,21 @@ class Trainer:
                     counters=counts,
                     evaluation=evaluation,
                 )
-                self.metrics.append(rec)
+                rec["stage"] = self.state.stage
+                rec["throughput/rollout_tokens_per_s"] = out["batch"]["generated_tokens"] / max(
+                    rec["time/step_s"], 1e-9
+                )
+                self.sinks.write(rec)
+                self.sinks.write_samples(self.state.step, out["samples"])
+                steps_in_stage = self.state.step - self.state.stage_start
+                success = (evaluation or {}).get("success")
+                if self.state.step < total and self.stages.should_advance(
+                    self.state.stage, steps_in_stage, success
+                ):  # the gate is met: no rollout of the next step starts under this stage's limits
+                    self._next_stage(steps_in_stage, success)
+                    last_ckpt = self.state.step
+                    progress.update(rec)
+                    continue
                 if self.state.step < total:  # the next rollouts start before the checkpoint is written
                     self._draw(busy=False)
                     self._poll(timeout=0)
@@ -499,16 +546,40 @@ class Trainer:
             "evals": evals,
         }
 
-    def close(self) -> None:
-        t0 = time.perf_counter()
+    def _next_stage(self, steps_in_stage: int, success: float | None) -> None:
+        """The gate of the current stage is met: checkpoint in the next stage, then restart the workers and
+        the learner from that checkpoint with the next stage's config (the resume path)."""
+        done = self.stages.name(self.state.stage)
+        self.state.stage += 1
+        self.state.stage_start = self.state.step
+        self._log(
+            f"stage {done} done at step {self.state.step} ({steps_in_stage} steps, held-out success "
+            f"{_fmt(success)}); entering stage {self.stages.name(self.state.stage)}"
+        )
+        self._checkpoint()
+        self._close_actors()
+        self.buffer = ExperienceBuffer(self.group_size, self.cfg.orchestrator.buffer_order)
+        self.open_groups, self.sync = set(), WeightSync(self.cfg.orchestrator.weight_sync_timeout_s)
+        self._switching_stage = True
+        try:
+            self.start()
+        finally:
+            self._switching_stage = False
+
+    def _close_actors(self) -> None:
         if self.dispatcher is not None:
             self.dispatcher.close()
             self.dispatcher = None
         if self.learner is not None:
             self.learner.close()
             self.learner = None
+
+    def close(self) -> None:
+        t0 = time.perf_counter()
+        self._close_actors()
+        self.sinks.close()
         t1 = time.perf_counter()
-        if getattr(self, "_started_ray", False):
+        if self._started_ray:
             import ray
 
             ray.shutdown()

@@ -9,15 +9,23 @@
     dropped/stale, discarded/zero_variance             stale members; DAPO groups drawn but not trained
     infra_retries, worker_restarts                     since the previous record
     staleness/mean, staleness/max                      learner version - oldest token version, over the batch
+    length/mean, length/max, turns/mean, turns/max     generated tokens and assistant turns per episode
+    tool_calls, tool_errors, infra/<env|sandbox|engine>  tool calls and their errors; infra failures by source
     learner/<key>, moe/<key>                           everything Learner.step returned, plain keys under
                                                        learner/ (loss, grad_norm, tokens; learner/kl,
-                                                       learner/entropy, ... as the learner names them)
+                                                       learner/entropy, learner/routing_agreement/layer<l>,
+                                                       learner/replay_changed, moe/layer<l>/max_mean_load,
+                                                       ... as the learner names them; docs/training.md)
     time/<phase>_s                                     seconds: rollout (waiting for the batch), learner,
-                                                       weight_sync, checkpoint, eval, step (all of it)
+                                                       weight_sync, eval, step (all of it); episodes and
+                                                       reward: worker-seconds playing / scoring the batch
+    throughput/rollout_tokens_per_s                    the batch's generated tokens / time/step_s
+    stage                                              index into `stages` (rl/train/stages.py; 0 without)
     eval/<...>                                         held-out evaluation on steps that ran one (eval.py)
 
-A later tool (TensorBoard, reports) reads the JSONL; nothing else writes it. `MetricsLog.keep_first`
-drops the lines a resumed run redoes (they move to `metrics.superseded.jsonl`, nothing is deleted).
+rl/train/sinks.py writes each record to the JSONL and to TensorBoard / W&B; `odyssey report`
+(rl/train/report.py) plots it. `MetricsLog.keep_first` drops the lines a resumed run redoes (they move to
+`metrics.superseded.jsonl`, nothing is deleted).
 """
 
 from __future__ import annotations
@@ -74,7 +82,76 @@ def batch_stats(batch: Sequence[tuple[Sample, Trajectory]], learner_version: int
         "staleness/mean": sum(stale) / len(stale) if stale else None,
         "staleness/max": max(stale) if stale else None,
     }
+    gen = [t.n_generated for t in trajs]
+    turns = [int(t.metadata.get("n_turns", t.n_assistant_turns)) for t in trajs]
+    out.update(
+        {
+            "length/mean": sum(gen) / len(gen) if gen else None,
+            "length/max": max(gen) if gen else None,
+            "turns/mean": sum(turns) / len(turns) if turns else None,
+            "turns/max": max(turns) if turns else None,
+            "tool_calls": sum(len(i.get("tool_calls") or []) for t in trajs for i in t.step_infos),
+            "tool_errors": sum(len(i.get("tool_errors") or []) for t in trajs for i in t.step_infos),
+        }
+    )
+    for source in ("env", "sandbox", "engine"):
+        out[f"infra/{source}"] = sum(
+            infra_error_of(t) is not None and t.metadata.get("infra_source") == source for t in trajs
+        )
+    # worker-seconds of this batch's episodes (they overlap across workers and with the learner when async)
+    out["time/episodes_s"] = sum(float(t.metadata.get("wall_s", 0.0)) for t in trajs)
+    out["time/reward_s"] = sum(float(t.metadata.get("reward_s", 0.0)) for t in trajs)
     return out
+
+
+SAMPLE_TEXT_CHARS = 16_000  # per logged rollout: long-context conversations keep their head and tail
+
+
+def _clip(text: str, limit: int = SAMPLE_TEXT_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+
+
+def sample_rows(batch: Sequence[tuple[Sample, Trajectory]], n: int) -> list[dict[str, Any]]:
+    """`n` rollouts of the batch as text (TRL's log_completions): the best and the worst by total reward
+    first, then the rest in sample order. Each row: sample key, rewards, outcome, turns, tool calls (call and
+    result), tool errors, and the decoded conversation (`metadata["messages"]`, "[role] content" per message;
+    longer than SAMPLE_TEXT_CHARS, its middle is cut)."""
+    if n <= 0 or not batch:
+        return []
+    items = sorted(batch, key=lambda st: st[0].order)
+    by_reward = sorted(items, key=lambda st: float(st[1].rewards.get("total", float("-inf"))))
+    picked: list[tuple[Sample, Trajectory]] = []
+    for st in [by_reward[-1], by_reward[0], *items]:
+        if len(picked) < n and all(st[0].key != p[0].key for p in picked):
+            picked.append(st)
+    rows = []
+    for s, t in picked:
+        messages = t.metadata.get("messages") or []
+        lines = [f"[{m.get('role')}] {m.get('content')}" for m in messages if isinstance(m, dict)]
+        text = _clip("\n".join(lines))
+        calls = [
+            {"call": str(c)[:200], "result": str(r)[:200]}
+            for info in t.step_infos
+            for c, r in zip(info.get("tool_calls") or [], info.get("tool_results") or [])
+        ]
+        errors = [str(e)[:200] for info in t.step_infos for e in info.get("tool_errors") or []]
+        rows.append(
+            {
+                "sample": s.key,
+                "reward": _num(t.rewards.get("total")),
+                "rewards": {k: _num(v) for k, v in t.rewards.items()},
+                "outcome": _num(t.outcome),
+                "turns": int(t.metadata.get("n_turns", t.n_assistant_turns)),
+                "tool_calls": calls,
+                "tool_errors": errors,
+                "infra_error": t.infra_error,
+                "text": text,
+            }
+        )
+    return rows
 
 
 def step_record(
