@@ -352,3 +352,21 @@ def test_infra_guard_stops_a_batch_an_env_failed_on(tmp_path):
     with pytest.raises(BatchUnhealthy, match="'arith' ended 3 of the batch's 4 episodes.*Sources: env 3"):
         t._check_infra(batch)
     t._check_infra(batch[2:])  # 1 of 2: not more than half
+
+
+def test_out_of_memory_stops_with_one_line_and_the_resume_command(monkeypatch, capsys):
+    """Ray's memory monitor killing an actor (seen when the node is short of memory) ends `odyssey train`
+    with exit 1 and a line that names the cause, the knobs and the resume command, not a traceback."""
+    import ray.exceptions
+
+    from rl.train import cli
+    from rl.train.loop import Trainer
+
+    def run(self):
+        raise ray.exceptions.OutOfMemoryError("3 worker(s) were killed: the node ran low on memory.")
+
+    monkeypatch.setattr(Trainer, "run", run)
+    assert cli.cli_main(["configs/tiny.yaml", "logging.run_dir=/tmp/odyssey-oom-probe"]) == 1
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps the line at the terminal width
+    assert "ran out of memory" in err and "rollout.num_workers" in err
+    assert "odyssey train configs/tiny.yaml logging.run_dir=/tmp/odyssey-oom-probe" in err

@@ -69,6 +69,20 @@ def cli_main(argv: list[str]) -> int:
             f"odyssey train: interrupted; {resume_hint(cfg, args.config)}", highlight=False, markup=False
         )
         return 130
+    except Exception as e:
+        import ray.exceptions
+
+        if not isinstance(e, ray.exceptions.OutOfMemoryError):
+            raise
+        err.print(  # Ray's memory monitor killed an actor: say so in one line, not a traceback
+            "odyssey train: Ray killed an actor because this node ran out of memory "
+            f"({str(e).splitlines()[0]}). "
+            "Free memory or lower rollout.num_workers, rollout.concurrent_episodes or "
+            f"learner.micro_batch_tokens; then {resume_hint(cfg, args.config)}",
+            highlight=False,
+            markup=False,
+        )
+        return 1
     final = summary.get("final", {})
     console.print(
         f"odyssey train: done, {summary['steps']} steps in {summary['run_dir']} "
