@@ -1,5 +1,5 @@
-r"""Sequence-chunked forward: a packed token stream of any length through `OdysseyModel` in windows of C tokens,
-carrying the decode state across window boundaries, as one autograd graph with bounded memory.
+r"""Sequence-chunked forward: a packed token stream of any length through `OdysseyModel` in windows of C
+tokens, carrying the decode state across window boundaries, as one autograd graph with bounded memory.
 
     windows = plan_windows(seq_lens, C)        # [start, end) of C tokens each; the pieces of sequences inside
     outs, routed = chunked_forward(model, ids, cu_seqlens, replay, C, head)   # head(h_w [c, D], w) per window
@@ -30,8 +30,9 @@ grows with L, then, is the MLA latents, n_mla * L * R floats (and as much for th
 backward), and one KDA state set per window boundary, n_kda * (H K V + 3HK(W-1)) floats per window.
 Cost: the window forward runs twice (three times with `checkpoint_layers`) and the backward once.
 
-MoE balancing by auxiliary loss is a statistic of the whole batch that a window cannot see; chunking refuses it
-(the default, bias balancing by quantile, only records routed-token histograms, which add up over windows).
+MoE balancing by auxiliary loss is a statistic of the whole batch that a window cannot see; chunking refuses
+it (the default, bias balancing by quantile, only records routed-token histograms, which add up over
+windows).
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ def plan_windows(seq_lens: Sequence[int], chunk_tokens: int) -> list[Window]:
     return windows
 
 
-# ---------------------------------------------------------------------------------------- one layer, one window
+# ------------------------------------------------------------------------------------ one layer, one window
 def _mix_with_carry(layer, x: torch.Tensor, cu: torch.Tensor, lens: tuple[int, ...],
                     carry: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The mixer sublayer of `layer` on the window's normed input x [c, D] with the carried state of its
-    first piece (None: no carry). Returns (a [c, D], what the window's last piece hands on: KDA (S [1, H, K, V],
-    conv [1, 3HK, W-1]); MLA (latents [n_last, R],))."""
+    first piece (None: no carry). Returns (a [c, D], what the window's last piece hands on:
+    KDA (S [1, H, K, V], conv [1, 3HK, W-1]); MLA (latents [n_last, R],))."""
     mixer = layer.mixer
     if layer.layer_type == "kda":
         state = None
@@ -191,8 +192,8 @@ def chunked_forward(
     Returns (head's outputs per window, routed experts [L, n_moe, k] int64 | None, the windows)."""
     cfg = model.config
     if getattr(cfg, "balancing", None) == "aux_loss" and cfg.n_routed_experts > 0:
-        raise ValueError("sequence chunking cannot compute the MoE auxiliary balancing loss (a statistic of the "
-                         "whole batch, not of one window); use model balancing 'quantile' (the default)")
+        raise ValueError("sequence chunking cannot compute the MoE auxiliary balancing loss (a statistic of "
+                         "the whole batch, not of one window); use model balancing 'quantile' (the default)")
     if checkpoint_layers is None:
         checkpoint_layers = bool(model.gradient_checkpointing)
     L = input_ids.shape[0]
