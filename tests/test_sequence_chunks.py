@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from model.config import OdysseyConfig
 from model.modeling import OdysseyForCausalLM
 from model.sequence_chunks import chunked_forward, plan_windows
+from model.short_conv import causal_short_conv_silu, naive_causal_short_conv
 from rl.learner import Learner
 from rl.learner.forward import head_logprobs
 from rl.learner.packing import collate
@@ -53,6 +54,30 @@ def test_plan_windows_properties(lens, C):
     assert glued == [n for n in lens if n]
     assert all(a.carry_out == b.carry_in for a, b in zip(windows, windows[1:]))
     assert not windows or not windows[-1].carry_out
+
+
+def test_short_conv_with_a_differentiable_state_matches_naive():
+    """The carried conv tail needs a gradient between windows: `causal_short_conv_silu` prepends it as input
+    rows (lengths 0, 1, 2 < W-1 and longer). Outputs, new state and the gradients of x, weight and the
+    state equal the per-sequence, per-tap loop."""
+    torch.manual_seed(0)
+    lens, C, W = [5, 0, 1, 2, 9], 6, 4
+    cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
+    x0, w0, s0 = torch.randn(sum(lens), C), torch.randn(C, W), torch.randn(len(lens), C, W - 1)
+    dy, ds = torch.randn(sum(lens), C), torch.randn(len(lens), C, W - 1)
+    results = []
+    for fn in ("fast", "naive"):
+        x, w, s = (t.clone().requires_grad_() for t in (x0, w0, s0))
+        if fn == "fast":
+            y, new = causal_short_conv_silu(x, w, cu, s)
+        else:
+            y, new = naive_causal_short_conv(x, w, cu, s)
+            y = torch.nn.functional.silu(y)
+        ((y * dy).sum() + (new * ds).sum()).backward()
+        results.append([y.detach(), new.detach(), x.grad, w.grad, s.grad])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert results[0][4].abs().sum() > 0
 
 
 # ------------------------------------------------------------------------------------ model-level oracle

@@ -1,0 +1,211 @@
+"""Long-context learner bench -> bench/results/long.json and docs/img/long.png.
+
+One learner step (`Learner.update`: forward, loss, backward, AdamW step) on a single trajectory of T tokens
+(30 % prompt, the rest generated and scored; routing replay on) of the `tiny` policy on CPU:
+
+- chunked: learner.sequence_chunk_tokens = C and activation_checkpointing (per window and per layer), at
+  T = 16K, 32K, 64K (128K with --tokens);
+- unchunked baseline (micro-batch of its own, per-layer activation checkpointing as today's best): 8K, 16K.
+
+Each case runs in its own process; peak RSS is that process's VmHWM, the RSS after building the learner is
+reported too. The parent watches every child's RSS and kills it past --rss-cap-gib (the box is shared): such
+a case is recorded as failed at that cap, with the time it had run.
+
+Fits (chunked points): peak RSS = a + b T (least squares; the extrapolation to 1,048,576 tokens against the
+16 GiB target) and seconds = c0 + c1 T + c2 T^2 (the quadratic term is MLA's attention over the prefix; its
+1M prediction). The figure: both measurements with their fits.
+
+    python bench/long.py                        # ~20 min on a loaded 2-core machine
+    python bench/long.py --tokens 16384 32768   # fewer points
+
+Timings taken while other jobs load the machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.learner import moe_shape, peak_rss_gib, trajectory  # noqa: E402
+from rl.config import RunConfig  # noqa: E402
+from rl.learner import Learner  # noqa: E402
+from rl.learner.sharding import plan_step  # noqa: E402
+
+OUT = ROOT / "bench" / "results" / "long.json"
+FIG = ROOT / "docs" / "img" / "long.png"
+MILLION = 1_048_576
+
+
+def case(tokens: int, chunk: int) -> dict:
+    """One learner step on a single `tokens`-token trajectory (chunk 0 = unchunked), in this process."""
+    torch.manual_seed(0)
+    cfg = RunConfig.model_validate({
+        "learner": {"group_size": 2, "micro_batch_tokens": tokens, "tis_cap": None,
+                    "activation_checkpointing": True, "sequence_chunk_tokens": chunk},
+        "rollout": {"max_tokens": tokens + 1, "max_new_tokens": min(512, tokens + 1)},
+    })
+    rng = np.random.default_rng(0)
+    trajs = [trajectory(rng, tokens + 1, moe_shape(cfg), 1.0), trajectory(rng, 2, moe_shape(cfg), 0.0)]
+    learner = Learner(cfg)
+    s = learner.prepare(trajs).samples[0]
+    plan = plan_step([s], 1, 1, 0)[0]
+    rss_setup = peak_rss_gib()
+    t0 = time.perf_counter()
+    metrics = learner.update([s], plan)
+    secs = time.perf_counter() - t0
+    return {"tokens": tokens, "chunk_tokens": chunk, "seconds": round(secs, 2),
+            "peak_rss_gib": round(peak_rss_gib(), 3), "rss_after_setup_gib": round(rss_setup, 3),
+            "windows": metrics["learner/sequence_chunks"], "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"]}
+
+
+def rss_gib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def run_case(tokens: int, chunk: int, cap_gib: float, timeout_s: float) -> dict:
+    """`case` in a child process, killed past cap_gib of RSS or timeout_s seconds."""
+    cmd = [sys.executable, __file__, "--case", str(tokens), str(chunk)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    peak, why = 0.0, None
+    while proc.poll() is None:
+        peak = max(peak, rss_gib(proc.pid))
+        if peak > cap_gib:
+            why = f"killed: RSS passed the {cap_gib} GiB cap"
+        elif time.perf_counter() - t0 > timeout_s:
+            why = f"killed: ran past {timeout_s:.0f} s"
+        if why:
+            proc.kill()
+            break
+        time.sleep(0.2)
+    out, err = proc.communicate()
+    row = {"tokens": tokens, "chunk_tokens": chunk}
+    if why or proc.returncode != 0:
+        row.update(error=why or err.strip().splitlines()[-1],
+                   seconds_until_stop=round(time.perf_counter() - t0, 1), rss_seen_gib=round(peak, 3))
+    else:
+        row.update(json.loads(out.strip().splitlines()[-1]))
+    return row
+
+
+def fits(rows: list[dict]) -> dict:
+    T = np.array([r["tokens"] for r in rows], dtype=np.float64)
+    rss = np.array([r["peak_rss_gib"] for r in rows])
+    sec = np.array([r["seconds"] for r in rows])
+    b, a = np.polyfit(T, rss, 1)
+    out = {"points": len(rows),
+           "rss_gib": {"intercept": round(float(a), 4), "gib_per_token": float(b),
+                       "mib_per_1k_tokens": round(float(b) * 1024 * 1024, 3),
+                       "max_abs_residual_gib": round(float(np.abs(a + b * T - rss).max()), 4),
+                       "at_1M_gib": round(float(a + b * MILLION), 2), "target_at_1M_gib": 16.0}}
+    deg = 2 if len(rows) >= 3 else 1
+    coef = np.polyfit(T, sec, deg)
+    c2, c1, c0 = (coef if deg == 2 else np.array([0.0, *coef]))
+    out["seconds"] = {"c0": float(c0), "c1_per_token": float(c1), "c2_per_token2": float(c2),
+                      "at_1M_s": round(float(c0 + c1 * MILLION + c2 * MILLION**2), 1),
+                      "at_1M_h": round(float(c0 + c1 * MILLION + c2 * MILLION**2) / 3600, 2),
+                      "quadratic_share_at_1M": round(float(c2 * MILLION**2 / max(1e-9, c0 + c1 * MILLION
+                                                                                  + c2 * MILLION**2)), 3)}
+    return out
+
+
+def plot(chunked: list[dict], baseline: list[dict], fit: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    T = np.array([r["tokens"] for r in chunked])
+    grid = np.linspace(0, max(T) * 1.15, 100)
+    r, s = fit["rss_gib"], fit["seconds"]
+    ax1.plot(T / 1024, [x["peak_rss_gib"] for x in chunked], "o", label="chunked + checkpointed")
+    ax1.plot(grid / 1024, r["intercept"] + r["gib_per_token"] * grid, "-",
+             label=f"fit: {r['intercept']:.2f} GiB + {r['mib_per_1k_tokens']:.1f} MiB/1K tok "
+                   f"(1M: {r['at_1M_gib']:.1f} GiB)")
+    ok = [x for x in baseline if "peak_rss_gib" in x]
+    ax1.plot([x["tokens"] / 1024 for x in ok], [x["peak_rss_gib"] for x in ok], "s", label="unchunked")
+    for x in baseline:
+        if "error" in x:
+            ax1.plot(x["tokens"] / 1024, x["rss_seen_gib"], "x", color="red", ms=10,
+                     label="unchunked: stopped")
+    ax1.set_xlabel("trajectory tokens (K)")
+    ax1.set_ylabel("peak RSS (GiB)")
+    ax1.legend(fontsize=7)
+    ax2.plot(T / 1024, [x["seconds"] for x in chunked], "o", label="chunked + checkpointed")
+    ax2.plot(grid / 1024, s["c0"] + s["c1_per_token"] * grid + s["c2_per_token2"] * grid**2, "-",
+             label=f"fit: c1 T + c2 T^2, c2 = {s['c2_per_token2']:.2e} s/tok^2 (1M: {s['at_1M_h']:.1f} h)")
+    ax2.plot([x["tokens"] / 1024 for x in ok], [x["seconds"] for x in ok], "s", label="unchunked")
+    ax2.set_xlabel("trajectory tokens (K)")
+    ax2.set_ylabel("seconds per learner step")
+    ax2.legend(fontsize=7)
+    fig.suptitle("tiny policy, one learner step on one trajectory, 2 CPU cores (shared, under load)",
+                 fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768, 65536])
+    p.add_argument("--baseline-tokens", type=int, nargs="+", default=[8192, 16384])
+    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--rss-cap-gib", type=float, default=8.0)
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--figure", type=Path, default=FIG)
+    p.add_argument("--case", nargs=2, type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.case:
+        print(json.dumps(case(*args.case)))
+        return 0
+    t0 = time.perf_counter()
+    chunked, baseline = [], []
+    for tokens in args.baseline_tokens:
+        baseline.append(run_case(tokens, 0, args.rss_cap_gib, args.timeout_s))
+        print("unchunked", json.dumps(baseline[-1])[:300], flush=True)
+    for tokens in args.tokens:
+        chunked.append(run_case(tokens, args.chunk, args.rss_cap_gib, args.timeout_s))
+        print("chunked  ", json.dumps(chunked[-1])[:300], flush=True)
+    good = [r for r in chunked if "peak_rss_gib" in r]
+    fit = fits(good) if len(good) >= 2 else None
+    result = {
+        "bench": "long-context learner step (bench/long.py)",
+        "model": "tiny", "device": "cpu", "threads": args.threads,
+        "note": "taken on a shared 2-core machine under load from other jobs: seconds are noisy",
+        "chunk_tokens": args.chunk, "rss_cap_gib": args.rss_cap_gib,
+        "chunked": chunked, "unchunked": baseline, "fit": fit,
+        "one_million_on_device": "not run: no accelerator was lent to this task; the fit stands in",
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if fit is not None:
+        plot(good, baseline, fit, args.figure)
+        print(json.dumps(fit, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
