@@ -5,7 +5,8 @@ One learner step (`Learner.update`: forward, loss, backward, AdamW step) on a si
 
 - chunked: learner.sequence_chunk_tokens = C and activation_checkpointing (per window and per layer), at
   T = 16K, 32K, 64K (128K with --tokens);
-- unchunked baseline (micro-batch of its own, per-layer activation checkpointing as today's best): 8K, 16K.
+- unchunked baselines (a micro-batch of its own): with per-layer activation checkpointing at 8K and 16K;
+  without it (the learner's default) with --add-baseline-no-checkpointing.
 
 Each case runs in its own process; peak RSS is that process's VmHWM, the RSS after building the learner is
 reported too. The parent watches every child's RSS and kills it past --rss-cap-gib (the box is shared): such
@@ -17,6 +18,7 @@ Fits (chunked points): peak RSS = a + b T (least squares; the extrapolation to 1
 
     python bench/long.py                        # ~20 min on a loaded 2-core machine
     python bench/long.py --tokens 16384 32768   # fewer points
+    python bench/long.py --add 8192             # run more chunked lengths, merge into the JSON, refit
 
 Timings taken while other jobs load the machine are noisy.
 """
@@ -47,12 +49,12 @@ FIG = ROOT / "docs" / "img" / "long.png"
 MILLION = 1_048_576
 
 
-def case(tokens: int, chunk: int) -> dict:
+def case(tokens: int, chunk: int, checkpointing: int = 1) -> dict:
     """One learner step on a single `tokens`-token trajectory (chunk 0 = unchunked), in this process."""
     torch.manual_seed(0)
     cfg = RunConfig.model_validate({
         "learner": {"group_size": 2, "micro_batch_tokens": tokens, "tis_cap": None,
-                    "activation_checkpointing": True, "sequence_chunk_tokens": chunk},
+                    "activation_checkpointing": bool(checkpointing), "sequence_chunk_tokens": chunk},
         "rollout": {"max_tokens": tokens + 1, "max_new_tokens": min(512, tokens + 1)},
     })
     rng = np.random.default_rng(0)
@@ -64,7 +66,8 @@ def case(tokens: int, chunk: int) -> dict:
     t0 = time.perf_counter()
     metrics = learner.update([s], plan)
     secs = time.perf_counter() - t0
-    return {"tokens": tokens, "chunk_tokens": chunk, "seconds": round(secs, 2),
+    return {"tokens": tokens, "chunk_tokens": chunk, "activation_checkpointing": bool(checkpointing),
+            "seconds": round(secs, 2),
             "peak_rss_gib": round(peak_rss_gib(), 3), "rss_after_setup_gib": round(rss_setup, 3),
             "windows": metrics["learner/sequence_chunks"], "loss": metrics["loss"],
             "grad_norm": metrics["grad_norm"]}
@@ -80,9 +83,9 @@ def rss_gib(pid: int) -> float:
     return 0.0
 
 
-def run_case(tokens: int, chunk: int, cap_gib: float, timeout_s: float) -> dict:
+def run_case(tokens: int, chunk: int, cap_gib: float, timeout_s: float, checkpointing: bool = True) -> dict:
     """`case` in a child process, killed past cap_gib of RSS or timeout_s seconds."""
-    cmd = [sys.executable, __file__, "--case", str(tokens), str(chunk)]
+    cmd = [sys.executable, __file__, "--case", str(tokens), str(chunk), str(int(checkpointing))]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -98,7 +101,7 @@ def run_case(tokens: int, chunk: int, cap_gib: float, timeout_s: float) -> dict:
             break
         time.sleep(0.2)
     out, err = proc.communicate()
-    row = {"tokens": tokens, "chunk_tokens": chunk}
+    row = {"tokens": tokens, "chunk_tokens": chunk, "activation_checkpointing": checkpointing}
     if why or proc.returncode != 0:
         row.update(error=why or err.strip().splitlines()[-1],
                    seconds_until_stop=round(time.perf_counter() - t0, 1), rss_seen_gib=round(peak, 3))
@@ -112,7 +115,7 @@ def fits(rows: list[dict]) -> dict:
     rss = np.array([r["peak_rss_gib"] for r in rows])
     sec = np.array([r["seconds"] for r in rows])
     b, a = np.polyfit(T, rss, 1)
-    out = {"points": len(rows),
+    out = {"points": len(rows), "tokens": [int(t) for t in T],
            "rss_gib": {"intercept": round(float(a), 4), "gib_per_token": float(b),
                        "mib_per_1k_tokens": round(float(b) * 1024 * 1024, 3),
                        "max_abs_residual_gib": round(float(np.abs(a + b * T - rss).max()), 4),
@@ -121,6 +124,7 @@ def fits(rows: list[dict]) -> dict:
     coef = np.polyfit(T, sec, deg)
     c2, c1, c0 = (coef if deg == 2 else np.array([0.0, *coef]))
     out["seconds"] = {"c0": float(c0), "c1_per_token": float(c1), "c2_per_token2": float(c2),
+                      "degree": deg, "exact_interpolation": len(rows) == deg + 1,
                       "at_1M_s": round(float(c0 + c1 * MILLION + c2 * MILLION**2), 1),
                       "at_1M_h": round(float(c0 + c1 * MILLION + c2 * MILLION**2) / 3600, 2),
                       "quadratic_share_at_1M": round(float(c2 * MILLION**2 / max(1e-9, c0 + c1 * MILLION
@@ -141,19 +145,21 @@ def plot(chunked: list[dict], baseline: list[dict], fit: dict, path: Path) -> No
     ax1.plot(grid / 1024, r["intercept"] + r["gib_per_token"] * grid, "-",
              label=f"fit: {r['intercept']:.2f} GiB + {r['mib_per_1k_tokens']:.1f} MiB/1K tok "
                    f"(1M: {r['at_1M_gib']:.1f} GiB)")
-    ok = [x for x in baseline if "peak_rss_gib" in x]
-    ax1.plot([x["tokens"] / 1024 for x in ok], [x["peak_rss_gib"] for x in ok], "s", label="unchunked")
+    for ckpt, marker in ((True, "s"), (False, "^")):
+        ok = [x for x in baseline if "peak_rss_gib" in x and x.get("activation_checkpointing", True) == ckpt]
+        name = "unchunked" + (", layer checkpoints" if ckpt else ", no checkpointing")
+        ax1.plot([x["tokens"] / 1024 for x in ok], [x["peak_rss_gib"] for x in ok], marker, label=name)
+        ax2.plot([x["tokens"] / 1024 for x in ok], [x["seconds"] for x in ok], marker, label=name)
     for x in baseline:
         if "error" in x:
             ax1.plot(x["tokens"] / 1024, x["rss_seen_gib"], "x", color="red", ms=10,
-                     label="unchunked: stopped")
+                     label=f"unchunked, stopped: {x['error'][:40]}")
     ax1.set_xlabel("trajectory tokens (K)")
     ax1.set_ylabel("peak RSS (GiB)")
     ax1.legend(fontsize=7)
     ax2.plot(T / 1024, [x["seconds"] for x in chunked], "o", label="chunked + checkpointed")
     ax2.plot(grid / 1024, s["c0"] + s["c1_per_token"] * grid + s["c2_per_token2"] * grid**2, "-",
              label=f"fit: c1 T + c2 T^2, c2 = {s['c2_per_token2']:.2e} s/tok^2 (1M: {s['at_1M_h']:.1f} h)")
-    ax2.plot([x["tokens"] / 1024 for x in ok], [x["seconds"] for x in ok], "s", label="unchunked")
     ax2.set_xlabel("trajectory tokens (K)")
     ax2.set_ylabel("seconds per learner step")
     ax2.legend(fontsize=7)
@@ -174,20 +180,30 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--figure", type=Path, default=FIG)
-    p.add_argument("--case", nargs=2, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--add", type=int, nargs="+", help="chunked lengths to run and merge into --out")
+    p.add_argument("--add-baseline-no-checkpointing", type=int, nargs="+", default=[],
+                   help="unchunked lengths without activation checkpointing to run and merge into --out")
+    p.add_argument("--case", nargs="+", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.case:
         print(json.dumps(case(*args.case)))
         return 0
     t0 = time.perf_counter()
-    chunked, baseline = [], []
-    for tokens in args.baseline_tokens:
+    chunked, baseline, wall = [], [], 0.0
+    for tokens in args.add_baseline_no_checkpointing:
+        baseline.append(run_case(tokens, 0, args.rss_cap_gib, args.timeout_s, checkpointing=False))
+        print("unchunked, no checkpointing", json.dumps(baseline[-1])[:300], flush=True)
+    if args.add or args.add_baseline_no_checkpointing:
+        old = json.loads(args.out.read_text())
+        chunked, baseline, wall = old["chunked"], old["unchunked"] + baseline, old["wall_s"]
+    for tokens in args.baseline_tokens if not (args.add or args.add_baseline_no_checkpointing) else []:
         baseline.append(run_case(tokens, 0, args.rss_cap_gib, args.timeout_s))
         print("unchunked", json.dumps(baseline[-1])[:300], flush=True)
-    for tokens in args.tokens:
+    for tokens in args.add or ([] if args.add_baseline_no_checkpointing else args.tokens):
         chunked.append(run_case(tokens, args.chunk, args.rss_cap_gib, args.timeout_s))
         print("chunked  ", json.dumps(chunked[-1])[:300], flush=True)
+    chunked.sort(key=lambda r: r["tokens"])
     good = [r for r in chunked if "peak_rss_gib" in r]
     fit = fits(good) if len(good) >= 2 else None
     result = {
@@ -197,7 +213,7 @@ def main() -> int:
         "chunk_tokens": args.chunk, "rss_cap_gib": args.rss_cap_gib,
         "chunked": chunked, "unchunked": baseline, "fit": fit,
         "one_million_on_device": "not run: no accelerator was lent to this task; the fit stands in",
-        "wall_s": round(time.perf_counter() - t0, 1),
+        "wall_s": round(wall + time.perf_counter() - t0, 1),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
