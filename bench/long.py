@@ -103,7 +103,10 @@ def run_case(tokens: int, chunk: int, cap_gib: float, timeout_s: float, checkpoi
     out, err = proc.communicate()
     row = {"tokens": tokens, "chunk_tokens": chunk, "activation_checkpointing": checkpointing}
     if why or proc.returncode != 0:
-        row.update(error=why or err.strip().splitlines()[-1],
+        if why is None:
+            why = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
+                   else (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
+        row.update(error=why,
                    seconds_until_stop=round(time.perf_counter() - t0, 1), rss_seen_gib=round(peak, 3))
     else:
         row.update(json.loads(out.strip().splitlines()[-1]))
@@ -183,6 +186,8 @@ def main() -> int:
     p.add_argument("--add", type=int, nargs="+", help="chunked lengths to run and merge into --out")
     p.add_argument("--add-baseline-no-checkpointing", type=int, nargs="+", default=[],
                    help="unchunked lengths without activation checkpointing to run and merge into --out")
+    p.add_argument("--from-log", type=Path,
+                   help="with --add: take the rows a previous run printed (its stdout) instead of --out")
     p.add_argument("--case", nargs="+", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -193,16 +198,24 @@ def main() -> int:
     chunked, baseline, wall = [], [], 0.0
     for tokens in args.add_baseline_no_checkpointing:
         baseline.append(run_case(tokens, 0, args.rss_cap_gib, args.timeout_s, checkpointing=False))
-        print("unchunked, no checkpointing", json.dumps(baseline[-1])[:300], flush=True)
-    if args.add or args.add_baseline_no_checkpointing:
+        print("unchunked, no checkpointing", json.dumps(baseline[-1]), flush=True)
+    if args.from_log:  # the rows of an interrupted run, as it printed them
+        for line in args.from_log.read_text().splitlines():
+            kind, _, row = line.partition(" {")
+            if kind.startswith(("unchunked", "chunked")):
+                rows = baseline if kind.startswith("unchunked") else chunked
+                rows.append(json.loads("{" + row))
+                wall += rows[-1].get("seconds", rows[-1].get("seconds_until_stop", 0.0))
+    elif args.add or args.add_baseline_no_checkpointing:
         old = json.loads(args.out.read_text())
         chunked, baseline, wall = old["chunked"], old["unchunked"] + baseline, old["wall_s"]
-    for tokens in args.baseline_tokens if not (args.add or args.add_baseline_no_checkpointing) else []:
+    for tokens in args.baseline_tokens if not (args.add or args.add_baseline_no_checkpointing
+                                               or args.from_log) else []:
         baseline.append(run_case(tokens, 0, args.rss_cap_gib, args.timeout_s))
-        print("unchunked", json.dumps(baseline[-1])[:300], flush=True)
-    for tokens in args.add or ([] if args.add_baseline_no_checkpointing else args.tokens):
+        print("unchunked", json.dumps(baseline[-1]), flush=True)
+    for tokens in args.add or ([] if args.add_baseline_no_checkpointing or args.from_log else args.tokens):
         chunked.append(run_case(tokens, args.chunk, args.rss_cap_gib, args.timeout_s))
-        print("chunked  ", json.dumps(chunked[-1])[:300], flush=True)
+        print("chunked  ", json.dumps(chunked[-1]), flush=True)
     chunked.sort(key=lambda r: r["tokens"])
     good = [r for r in chunked if "peak_rss_gib" in r]
     fit = fits(good) if len(good) >= 2 else None

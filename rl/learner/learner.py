@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model.moe import statistics_recording
 from rl.learner.advantages import gae
+from rl.learner.allocator import fix_mmap_threshold
 from rl.learner.batch import ModelFacts, PreparedBatch, Sample, prepare_batch
 from rl.learner.forward import TrainModule
 from rl.learner.losses import aggregation_weights, objective, value_loss
@@ -161,6 +162,8 @@ class Learner:
             if lc.activation_checkpointing and isinstance(value, Critic):
                 value.trunk.gradient_checkpointing_enable()
         self.module = TrainModule(self.policy, value, lc.sequence_chunk_tokens).train()
+        if lc.sequence_chunk_tokens:  # long sequences: freed window activations go back to the OS
+            fix_mmap_threshold()
         self.reference = None
         if lc.kl_coef > 0:
             ref = build_policy(cfg).to(self.device).eval()
