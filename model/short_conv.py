@@ -121,6 +121,23 @@ def naive_causal_short_conv(
     return torch.cat(ys), torch.stack(states)
 
 
+def _state_as_input(x: torch.Tensor, weight: torch.Tensor, lens: list[int], conv_state: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_short_conv_silu` with a differentiable state: sequence n becomes [state_n^T; x_n] (W-1 + L_n
+    rows) run from a zero state, and its first W-1 outputs are dropped. Same outputs and new state (the last
+    W-1 rows of each extended sequence); the gradient reaches the state through the prepended rows."""
+    W = weight.shape[-1]
+    parts, keep, pos, s = [], [], 0, 0
+    for n, L in enumerate(lens):
+        parts += [conv_state[n].t().to(x.dtype), x[s:s + L]]
+        keep.append(torch.arange(pos + W - 1, pos + W - 1 + L, device=x.device))
+        pos, s = pos + W - 1 + L, s + L
+    ext_lens = [L + W - 1 for L in lens]
+    cu = torch.tensor([0, *torch.tensor(ext_lens).cumsum(0).tolist()], dtype=torch.int32, device=x.device)
+    y, state = causal_short_conv_silu(torch.cat(parts), weight, cu, None)
+    return y[torch.cat(keep)], state
+
+
 class _ShortConvSilu(torch.autograd.Function):
     """silu(causal_short_conv(x, weight, cu, state)) and the new state, fused (fp32 CPU). Gradients reach x
     (through y and the new state) and weight; the state must not need one."""
@@ -155,11 +172,16 @@ def causal_short_conv_silu(
     conv_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU(causal_short_conv(x, weight, cu_seqlens, conv_state)) and the new conv state; same shapes.
-    On fp32 CPU tensors (and a state that needs no gradient) one fused kernel forward and one backward."""
+    On fp32 CPU tensors one fused kernel forward and one backward; a state that needs a gradient (sequence
+    chunking carries it between windows) is prepended to its sequence as W-1 input rows instead, whose
+    outputs are dropped (`_state_as_input`)."""
     T, C = x.shape
     W = weight.shape[-1]
     lens = seq_lens_from_cu(cu_seqlens, T)
     N = len(lens)
+    if (conv_state is not None and conv_state.requires_grad and torch.is_grad_enabled() and W > 1
+            and conv_state.shape == (N, C, W - 1)):
+        return _state_as_input(x, weight, lens, conv_state)
     fused = (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu
              and (conv_state is None or (conv_state.dtype == torch.float32 and not conv_state.requires_grad))
              and fused_cpu.load() is not None)

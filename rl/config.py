@@ -203,6 +203,8 @@ class LearnerSection(_Section):
     value_clip: float = Field(0.2, gt=0.0)
     micro_batch_tokens: int = Field(16384, ge=1)  # packed tokens per forward/backward (longer: alone)
     activation_checkpointing: bool = False  # per decoder layer: recompute activations in the backward
+    # a micro-batch longer than this runs in windows of this many tokens carrying KDA/MLA state; 0 = off
+    sequence_chunk_tokens: int = Field(0, ge=0)
     num_ranks: int = Field(1, ge=1)  # data-parallel learner ranks (LearnerGroup)
     seed: int = 0  # model init and minibatch order
 

@@ -463,6 +463,8 @@ PROBES |= {
     "learner.activation_checkpointing": Probe(
         "learner.activation_checkpointing=true", learner_steps(), start=L
     ),
+    # metrics count the windows; losses stay equal (tests/test_sequence_chunks.py)
+    "learner.sequence_chunk_tokens": Probe("learner.sequence_chunk_tokens=16", learner_steps(), start=L),
     "learner.num_ranks": Probe("learner.num_ranks=2", ray_demand, start=L),
     "learner.seed": Probe("learner.seed=3", learner_steps(), start=L),
     # orchestrator: the training loop's own objects and decisions (no Ray)

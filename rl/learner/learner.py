@@ -15,9 +15,10 @@ One `step`, top to bottom:
    (gae), routing agreement (R3 off). With a single optimizer step and no value model pi_old is the policy
    itself, so log pi_old = log pi.detach() in the same forward (TRL does the same);
 4. for each epoch, for each minibatch: pack its samples into micro-batches (first-fit decreasing, at most
-   micro_batch_tokens each), forward (routing replay, bf16 autocast), loss (rl/learner/losses.py) with the
-   off-policy weights (rl/learner/off_policy.py), backward (gradients accumulate); then clip the global
-   grad norm, AdamW step, lr schedule step, and the MoE balancer's bias update from the routed-token
+   micro_batch_tokens each; a longer trajectory alone, in sequence chunks of learner.sequence_chunk_tokens
+   when set, rl/learner/forward.py), forward (routing replay, bf16 autocast), loss (rl/learner/losses.py)
+   with the off-policy weights (rl/learner/off_policy.py), backward (gradients accumulate); then clip the
+   global grad norm, AdamW step, lr schedule step, and the MoE balancer's bias update from the routed-token
    histogram of exactly this optimizer step (summed over ranks).
 
 MoE statistics: only the forward with gradients records (model.moe.statistics_recording is off for the
@@ -47,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model.moe import statistics_recording
 from rl.learner.advantages import gae
+from rl.learner.allocator import fix_mmap_threshold
 from rl.learner.batch import ModelFacts, PreparedBatch, Sample, prepare_batch
 from rl.learner.forward import TrainModule
 from rl.learner.losses import aggregation_weights, objective, value_loss
@@ -87,6 +89,7 @@ class StepStats:
                 "masked",
                 "truncated",
                 "micro_batches",
+                "sequence_chunks",
                 "advantage_sum",
             ),
             0.0,
@@ -158,12 +161,14 @@ class Learner:
             value = build_value_model(lc.value_model, self.policy, lc.critic_preset, lc.seed).to(self.device)
             if lc.activation_checkpointing and isinstance(value, Critic):
                 value.trunk.gradient_checkpointing_enable()
-        self.module = TrainModule(self.policy, value).train()
+        self.module = TrainModule(self.policy, value, lc.sequence_chunk_tokens).train()
+        if lc.sequence_chunk_tokens:  # long sequences: freed window activations go back to the OS
+            fix_mmap_threshold()
         self.reference = None
         if lc.kl_coef > 0:
             ref = build_policy(cfg).to(self.device).eval()
             ref.requires_grad_(False)
-            self.reference = TrainModule(ref)
+            self.reference = TrainModule(ref, sequence_chunk_tokens=lc.sequence_chunk_tokens)
         self.ddp = (
             DistributedDataParallel(self.module, broadcast_buffers=False) if self.distributed else self.module
         )
@@ -314,6 +319,7 @@ class Learner:
                 "learner/tokens_scored": sums["scored"],
                 "learner/optimizer_steps": float(len(losses)),
                 "learner/micro_batches": sums["micro_batches"],
+                "learner/sequence_chunks": sums["sequence_chunks"],
                 "learner/lr": float(self.scheduler.get_last_lr()[0]),
                 "learner/policy_loss": sums["policy_loss"] / n_opt,
                 "learner/kl": sums["kl"] / scored,
@@ -568,6 +574,7 @@ class Learner:
             sums["value_loss"] += float(vl.detach().sum() / n_tokens)
         if first_epoch:
             sums["micro_batches"] += 1
+            sums["sequence_chunks"] += self.module.chunks(mb)
             sums["scored"] += mb.n_scored
             sums["entropy"] += float(entropy.detach().sum())
             sums["clipped"] += float(clipped.sum())
