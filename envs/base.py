@@ -323,7 +323,8 @@ class ToolEnv(gymnasium.Env):
         }
         return messages, info
 
-    async def _step(self, text: str) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+    def _begin_turn(self, text: str) -> None:
+        """Check that a turn may be played now (an episode is open, `text` is the turn's text); count it."""
         if self.task is None:
             raise RuntimeError("call reset() (or areset()) before step()")
         if self._over:
@@ -333,6 +334,9 @@ class ToolEnv(gymnasium.Env):
         if not isinstance(text, str):
             raise TypeError(f"step() takes the model's text for one turn (str), got {type(text).__name__}")
         self._turn += 1
+
+    async def _step(self, text: str) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+        self._begin_turn(text)
         self._new_subgoals = []
         info = StepInfo(turn=self._turn)
         obs: list[Message] = []

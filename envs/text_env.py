@@ -57,15 +57,7 @@ class TextEnv(ToolEnv):
         raise TypeError(f"{type(self).__name__} must implement async respond(self, text) -> TextReply")
 
     async def _step(self, text: str) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
-        if self.task is None:
-            raise RuntimeError("call reset() (or areset()) before step()")
-        if self._over:
-            raise RuntimeError(
-                "the episode is over (terminated or truncated); call reset() to start a new one"
-            )
-        if not isinstance(text, str):
-            raise TypeError(f"step() takes the model's text for one turn (str), got {type(text).__name__}")
-        self._turn += 1
+        self._begin_turn(text)
         reply = await self.respond(text)
         info = StepInfo(turn=self._turn, env_reward=reply.reward, extra=dict(reply.info))
         terminated = bool(reply.done)
