@@ -79,16 +79,10 @@ def cli_main(argv: list[str]) -> int:
     args = _parser().parse_intermixed_args(argv)
     console = Console()
     err = Console(stderr=True)
-    from rl.config import ConfigError, load_config, write_resolved
+    from rl.config import write_resolved
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        err.print(f"odyssey rollout: {e}", highlight=False, markup=False)
-        return 2
-    problem = engine_problem(cfg.rollout.engine)
-    if problem:
-        err.print(f"odyssey rollout: {problem}", highlight=False, markup=False)
+    cfg = load_run_config("odyssey rollout", args.config, args.overrides, err)
+    if cfg is None:
         return 2
     n = cfg.rollout.episodes if args.episodes is None else args.episodes
     if n < 1:
@@ -159,6 +153,23 @@ def cli_main(argv: list[str]) -> int:
     if missing:
         err.print(f"odyssey rollout: {missing} of {n} episodes are missing from the store", highlight=False)
     return 1 if missing else 0
+
+
+def load_run_config(command: str, path: str, overrides: list[str], err: Console) -> Any | None:
+    """The run config of `path` + `overrides` for a run command, or None after printing why it cannot
+    start (a validation error, or an engine this install cannot build)."""
+    from rl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as e:
+        err.print(f"{command}: {e}", highlight=False, markup=False)
+        return None
+    problem = engine_problem(cfg.rollout.engine)
+    if problem:
+        err.print(f"{command}: {problem}", highlight=False, markup=False)
+        return None
+    return cfg
 
 
 def engine_problem(engine: str) -> str | None:

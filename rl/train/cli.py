@@ -41,19 +41,11 @@ def _parser() -> argparse.ArgumentParser:
 def cli_main(argv: list[str]) -> int:
     args = _parser().parse_intermixed_args(argv)
     console, err = Console(), Console(stderr=True)
-    from rl.config import ConfigError, load_config
+    from rl.rollout.cli import load_run_config
     from rl.train.loop import Trainer, TrainingStopped, resume_hint
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        err.print(f"odyssey train: {e}", highlight=False, markup=False)
-        return 2
-    from rl.rollout.cli import engine_problem
-
-    problem = engine_problem(cfg.rollout.engine)
-    if problem:
-        err.print(f"odyssey train: {problem}", highlight=False, markup=False)
+    cfg = load_run_config("odyssey train", args.config, args.overrides, err)
+    if cfg is None:
         return 2
     trainer = Trainer(cfg, config_path=args.config, console=console)
     try:
