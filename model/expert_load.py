@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -98,6 +99,26 @@ class ExpertLoadTracker:
 
     def reset(self) -> None:
         self.__init__(self.n, self.k, self.window)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything `metrics` reads (step in progress, last step, the dead-expert window), for checkpoints:
+        a resumed run reports the same dead experts as an uninterrupted one."""
+        self._flush()
+        return {
+            "counts": self._counts.clone(), "entropy_sum": self._entropy_sum, "tokens": self._tokens,
+            "last": None if self._last is None else (self._last[0].clone(), *self._last[1:]),
+            "history": [h.clone() for h in self._history], "steps": self.steps,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["counts"].numel() != self.n:
+            n = state["counts"].numel()
+            raise ValueError(f"expert-load state has {n} experts; this layer has {self.n}")
+        self._pending = []
+        self._counts = state["counts"].clone()
+        self._entropy_sum, self._tokens, self.steps = state["entropy_sum"], state["tokens"], state["steps"]
+        self._last = None if state["last"] is None else (state["last"][0].clone(), *state["last"][1:])
+        self._history = deque((h.clone() for h in state["history"]), maxlen=self.window)
 
     def metrics(self) -> dict[str, float | int | list[int]]:
         """Metrics of the most recent step (see module docstring); empty dict before any token."""

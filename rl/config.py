@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import difflib
 import inspect
+import json
 import re
 import sys
 import typing
@@ -181,6 +182,7 @@ class LearnerSection(_Section):
     grad_clip: float = Field(1.0, gt=0.0)  # max global grad norm
     group_size: int = Field(8, ge=1)  # grpo/rloo: episodes per task (the advantage baseline group)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # std-normalisation of group advantages
+    negative_advantage_weight: float = Field(1.0, ge=0.0, le=1.0)  # scales advantages < 0 (0 = positive only)
     turn_credit: bool = False  # grpo/rloo: per-turn rewards as discounted returns-to-go on their own turn
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0)  # ratio clipped to [1 - low, 1 + high]
     clip_eps_high: float = Field(0.28, gt=0.0)  # cispo: the IS weight is capped at 1 + high
@@ -414,7 +416,36 @@ def _init_from_problems(m: ModelSection) -> list[str]:
         return [f"model.init_from: {m.init_from!r} is a file, not a checkpoint directory; {fix}"]
     if not (path / "config.json").is_file():
         return [f"model.init_from: {m.init_from!r} holds no config.json: not a saved checkpoint; {fix}"]
-    return []
+    return _preset_vs_checkpoint(m, path)
+
+
+def _preset_vs_checkpoint(m: ModelSection, path: Path) -> list[str]:
+    """With model.init_from, the checkpoint's architecture is loaded and model.overrides apply on top of it
+    (rl/rollout/worker.build_policy). model.preset must then describe the checkpoint: a field where preset +
+    overrides and checkpoint + overrides disagree would otherwise be silently ignored."""
+    try:
+        from model.config import PRESETS, OdysseyConfig
+    except ImportError:
+        return []
+    if m.preset not in PRESETS:
+        return []  # _model_problems names it
+    try:
+        saved = json.loads((path / "config.json").read_text())
+        expected = OdysseyConfig.from_preset(m.preset, **m.overrides)
+    except Exception:  # an unreadable config.json fails at load with its own message; bad overrides above
+        return []
+    own = [k for k in OdysseyConfig.__annotations__ if k in saved and k not in m.overrides]
+    diff = [k for k in own if saved[k] != getattr(expected, k)]
+    if not diff:
+        return []
+    brief = lambda v: json.dumps(v)[:40]  # noqa: E731
+    shown = ", ".join(f"{k}={brief(saved[k])} (preset: {brief(getattr(expected, k))})" for k in diff[:4])
+    match = [p for p in PRESETS if all(saved[k] == getattr(OdysseyConfig.from_preset(p), k) for k in own)]
+    fix = f"set model.preset={match[0]}" if match else "set model.preset to the checkpoint's preset"
+    return [
+        f"model.preset: {m.preset!r} does not describe the checkpoint in model.init_from ({shown}); the "
+        f"checkpoint's architecture is what loads, so {fix} (model.overrides apply on top of either)"
+    ]
 
 
 def _closest(word: str, options: Sequence[str]) -> str | None:

@@ -437,6 +437,9 @@ PROBES |= {
     "learner.grad_clip": Probe("learner.grad_clip=1e-6", learner_steps(), start=L),
     "learner.group_size": Probe("learner.group_size=2", trainer("group_size")),  # samples drawn per task
     "learner.scale_rewards": Probe("learner.scale_rewards=none", learner_steps(), start=L),
+    "learner.negative_advantage_weight": Probe(
+        "learner.negative_advantage_weight=0", learner_steps(), start=L
+    ),
     "learner.turn_credit": Probe("learner.turn_credit=true", T, start=L),
     "learner.clip_eps_low": Probe("learner.clip_eps_low=0.01", learner_steps(), EPOCHS, L),
     "learner.clip_eps_high": Probe("learner.clip_eps_high=0.01", learner_steps(), EPOCHS, L),
@@ -559,3 +562,17 @@ def test_key_has_an_effect(key, checkpoint, two_column_data, tmp_path):
     assert before != after, (
         f"{name}: changing it ({probe.override}) changed nothing the run builds: {before!r}"
     )
+
+
+def test_overrides_apply_on_top_of_a_checkpoint_and_a_wrong_preset_is_named(checkpoint, tmp_path):
+    """With model.init_from, model.overrides still reach the policy (here balancing=none), and a
+    model.preset that does not describe the checkpoint is an error naming the fields, not ignored."""
+    fill = {"checkpoint": checkpoint, "tmp": str(tmp_path)}
+    cfg = _load(["model.init_from=<checkpoint>", "model.overrides={balancing: none}"], fill, "quickstart")
+    from rl.rollout.worker import build_policy
+
+    m = build_policy(settings(cfg))
+    assert m.config.balancing == "none" and {moe.balancing for moe in m.moe_layers()} == {"none"}
+    with pytest.raises(ValueError, match=r"model.preset: 'small' does not describe the checkpoint .*"
+                                         r"hidden_size=128 .*set model.preset=tiny"):
+        _load(["model.init_from=<checkpoint>", "model.preset=small"], fill, "quickstart")

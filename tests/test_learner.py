@@ -177,6 +177,11 @@ def test_save_and_load_resume_exactly(batch, tmp_path):
     ma, mb = a.step(batch), b.step(batch)
     assert torch.equal(_params(a), _params(b))
     assert ma["loss"] == mb["loss"] and ma["learner/lr"] == mb["learner/lr"]
+    moe_a, moe_b = ({k: v for k, v in m.items() if k.startswith("moe/")} for m in (ma, mb))
+    assert moe_a == moe_b
+    for la, lb in zip(a.policy.moe_layers(), b.policy.moe_layers()):  # the dead-expert window survives too
+        ha, hb = la.load_tracker.state_dict()["history"], lb.load_tracker.state_dict()["history"]
+        assert len(ha) == len(hb) == 2 and all(torch.equal(x, y) for x, y in zip(ha, hb))
     assert b.policy_steps == 2 and b.optimizer_steps == 2
     with pytest.raises(FileNotFoundError, match="holds no learner checkpoint"):
         b.load(tmp_path)

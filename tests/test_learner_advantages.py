@@ -16,6 +16,7 @@ from rl.learner.advantages import (
     gae_reference,
     group_advantages,
     turn_returns,
+    weight_negative,
 )
 from rl.learner.batch import ModelFacts, prepare_batch
 from rl.learner.selection import select
@@ -158,3 +159,11 @@ def test_gae_samples_get_placed_token_rewards():
     # last generated token of each turn carries its turn reward; the episode's last carries the outcome
     assert s.rewards.tolist() == pytest.approx([0, 0, 0.1, 0, -0.1, 0, 0, 0, 1.3], abs=1e-6)
     assert s.advantages is None  # GAE needs the value model (the learner's first pass)
+
+
+def test_negative_advantage_weight_scales_only_negative_tokens():
+    adv = torch.tensor([1.5, -0.5, 0.0, -2.0], dtype=torch.float64)
+    assert torch.equal(weight_negative(adv, 1.0), adv)
+    f64 = torch.float64
+    assert torch.equal(weight_negative(adv, 0.25), torch.tensor([1.5, -0.125, 0.0, -0.5], dtype=f64))
+    assert torch.equal(weight_negative(adv, 0.0), torch.tensor([1.5, 0.0, 0.0, 0.0], dtype=f64))

@@ -25,6 +25,12 @@ rewards on the assistant turn that earned them), turn i's returns-to-go are
 and each token of turn i gets A_outcome + G_i, where A_outcome is the group advantage of the episode's
 outcome-type reward (rewards["total"] - sum(turn_rewards)), shared by every turn.
 
+Negative-advantage weight w (`learner.negative_advantage_weight`): every token advantage below zero is
+scaled, A' = A if A >= 0 else w A. w = 1 is the published loss. w < 1 shrinks the push-down on sampled
+tokens of below-baseline episodes; w = 0 trains on above-baseline episodes only (RAFT++ / filtered
+REINFORCE, Xiong et al. 2025). A small policy with a flat sampling distribution needs it (docs/training.md:
+the negative part of the gradient raises entropy faster than the positive part sharpens it).
+
 The discounted sums use `discounted_cumsum`, chunkwise: within a chunk of C positions one [C, C] matmul with
 the decay matrix, across chunks a carry. `gae_reference` is the slow, obviously correct reverse loop.
 """
@@ -75,6 +81,11 @@ def group_advantages(
     if scale == "batch":
         adv = adv / ((r.std() if r.numel() > 1 else r.new_zeros(())) + STD_EPS)
     return adv
+
+
+def weight_negative(adv: torch.Tensor, weight: float) -> torch.Tensor:
+    """A' = A where A >= 0, weight * A where A < 0 (module docstring); adv any shape."""
+    return adv if weight == 1.0 else torch.where(adv < 0, adv * weight, adv)
 
 
 def discounted_cumsum(x: torch.Tensor, discount: float, chunk: int = 64) -> torch.Tensor:

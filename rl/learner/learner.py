@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from model.moe import statistics_recording
-from rl.learner.advantages import gae
+from rl.learner.advantages import gae, weight_negative
 from rl.learner.allocator import fix_mmap_threshold
 from rl.learner.batch import ModelFacts, PreparedBatch, Sample, prepare_batch
 from rl.learner.forward import TrainModule
@@ -231,6 +231,7 @@ class Learner:
                 "python": random.getstate(),
             },
             "learner_config": self.lc.model_dump(mode="json"),
+            "expert_load": [moe.load_tracker.state_dict() for moe in self.policy.moe_layers()],
         }
         torch.save(state, path / STATE_FILE)
         return path
@@ -256,6 +257,8 @@ class Learner:
             torch.cuda.set_rng_state_all(rng["cuda"])
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
+        for moe, tracker in zip(self.policy.moe_layers(), state.get("expert_load", [])):  # absent: older
+            moe.load_tracker.load_state_dict(tracker)
 
     # ------------------------------------------------------------------------------------------ the update
     def update(
@@ -547,7 +550,7 @@ class Learner:
         loss, parts = objective(
             logp,
             old,
-            data["advantages"],
+            weight_negative(data["advantages"], lc.negative_advantage_weight),
             seq,
             seq_tokens,
             c,

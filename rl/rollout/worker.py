@@ -44,7 +44,8 @@ class WorkerSettings:
     `rl.rollout.cli.settings_from_config`.
 
     env_id / env_kwargs: `envs.make(env_id, sandbox_pool=..., **env_kwargs)`.
-    model_preset / model_overrides / checkpoint / dtype: the policy (checkpoint dir wins when set;
+    model_preset / model_overrides / checkpoint / dtype: the policy (the checkpoint dir, with model_overrides
+    applied to its config, when set;
     otherwise a freshly initialised preset seeded with `init_seed`, so every worker holds the same
     weights). seed: the engine's base seed (requests carry their own; see rl/rollout/tasks.py).
     engine: "torch" (TorchEngine) or "vllm" (VllmEngine on the plugin; `build_engine`).
@@ -117,8 +118,9 @@ def build_policy(settings: WorkerSettings) -> Any:
     from model.modeling import OdysseyForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
-    if settings.checkpoint:
-        model = OdysseyForCausalLM.from_pretrained(settings.checkpoint, dtype=dtype)
+    if settings.checkpoint:  # model.overrides apply on top of the checkpoint's config (e.g. balancing=none)
+        overrides = settings.model_overrides
+        model = OdysseyForCausalLM.from_pretrained(settings.checkpoint, dtype=dtype, **overrides)
     else:
         cfg = OdysseyConfig.from_preset(settings.model_preset, **settings.model_overrides)
         with torch.random.fork_rng(devices=[]):
