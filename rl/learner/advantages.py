@@ -28,8 +28,8 @@ outcome-type reward (rewards["total"] - sum(turn_rewards)), shared by every turn
 Negative-advantage weight w (`learner.negative_advantage_weight`): every token advantage below zero is
 scaled, A' = A if A >= 0 else w A. w = 1 is the published loss. w < 1 shrinks the push-down on sampled
 tokens of below-baseline episodes; w = 0 trains on above-baseline episodes only (RAFT++ / filtered
-REINFORCE, Xiong et al. 2025). A small policy with a flat sampling distribution needs it (docs/training.md:
-the negative part of the gradient raises entropy faster than the positive part sharpens it).
+REINFORCE, Xiong et al. 2025). Measured on the tiny demo (docs/training.md, "Diagnosis so far"): it does not
+fix learning there; the update's coverage of tasks matters more than the sign of the advantages.
 
 The discounted sums use `discounted_cumsum`, chunkwise: within a chunk of C positions one [C, C] matmul with
 the decay matrix, across chunks a carry. `gae_reference` is the slow, obviously correct reverse loop.
