@@ -10,7 +10,10 @@ the standard error (std / sqrt(n), n = seeds) of SFT-only and RL success, their 
 whether the issue's target (RL >= 1.5x SFT-only, or >= +0.3 absolute) is met.
 
 Ablation (multi-turn task: arith is calc, then answer): the same runs with the process and sub-goal
-rewards removed (outcome and overlong only).
+rewards removed (outcome and overlong only). And `rl_raft`: the same runs with learner.advantage=raft
+(successful episodes only, each distinct completion once; lr 1e-4, 5 warm-up steps), the estimator that
+came out of the diagnosis in docs/training.md. `--variants` runs some of them; the results file keeps the
+runs of the others.
 
 Task families: arith only. code-repair and long-docs have no in-process oracle for a fast SFT warm-up of
 the tiny policy yet (their tools need a sandbox per transcript), so they are not in this bench.
@@ -42,6 +45,12 @@ VARIANTS = {
         "rewards=[{name: outcome, weight: 1.0}, {name: overlong, weight: 1.0, "
         "params: {max_completion_len: 512, soft_punish_cache: 128}}]"
     ],
+    "rl_raft": ["learner.advantage=raft", "learner.lr=1e-4", "learner.warmup_steps=5"],
+}
+LABELS = {
+    "rl": "RL, GRPO\n(all rewards)",
+    "rl_outcome_only": "RL, GRPO\n(outcome only)",
+    "rl_raft": "RL, RAFT",
 }
 
 
@@ -117,15 +126,15 @@ def plot(summary: dict, runs: list[dict]) -> None:
     labels.append("SFT-only")
     means.append(first["sft_success_mean"])
     ses.append(first["sft_success_se"])
-    points.append([r["sft"]["success"] for r in runs if r["variant"] == "rl"])
+    points.append([r["sft"]["success"] for r in runs if r["variant"] == next(iter(summary))])
     for variant, s in summary.items():
-        labels.append({"rl": "RL (all rewards)", "rl_outcome_only": "RL (outcome only)"}[variant])
+        labels.append(LABELS[variant])
         means.append(s["rl_success_mean"])
         ses.append(s["rl_success_se"])
         points.append([r["rl"]["success"] for r in runs if r["variant"] == variant])
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(labels))
-    ax.bar(xs, means, yerr=ses, capsize=6, color=["#999999", "#3b75af", "#e1812c"][: len(labels)])
+    ax.bar(xs, means, yerr=ses, capsize=6, color=["#999999", "#3b75af", "#e1812c", "#3a923a"][: len(labels)])
     for x, ps in zip(xs, points):
         ax.scatter([x] * len(ps), ps, color="black", s=12, zorder=3)
     ax.axhline(0.85, ls="--", color="gray", lw=1)
@@ -156,7 +165,8 @@ def main() -> int:
         if warmup([str(ROOT / "configs" / "tiny.yaml"), "--out", str(init)]) != 0:
             return 1
     out = Path(args.out)
-    runs = []
+    kept = json.loads(RESULTS.read_text())["runs"] if RESULTS.is_file() else []
+    runs = [r for r in kept if r["variant"] not in args.variants and r["steps"] == args.steps]
     for variant in args.variants:
         for seed in args.seeds:
             runs.append(run(variant, seed, args.steps, str(init), out))
@@ -169,6 +179,7 @@ def main() -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "bench": "learning", "family": "arith (difficulty 0)", "recipe": RECIPE, "steps": args.steps,
+        "variants": VARIANTS,
         "episodes_per_step": 16, "machine": platform.platform(), "summary": summary, "runs": runs,
     }, indent=2) + "\n")  # fmt: skip
     plot(summary, runs)

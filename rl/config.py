@@ -171,7 +171,8 @@ class LearnerSection(_Section):
     """Policy optimisation (rl/learner/, docs/learner.md): advantages, loss, off-policy correction, optimiser,
     packing and data parallelism."""
 
-    advantage: Literal["grpo", "rloo", "gae"] = "grpo"  # group mean baseline | leave-one-out | PPO (value)
+    # group mean baseline | leave-one-out | PPO (value) | successes only, each distinct completion once
+    advantage: Literal["grpo", "rloo", "gae", "raft"] = "grpo"
     policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
     steps: int = Field(100, ge=1)  # policy steps (Learner.step calls); sizes the lr schedule
     lr: float = Field(1e-5, gt=0.0)
@@ -354,8 +355,8 @@ def _budget_problems(c: RunConfig) -> list[str]:
             f"rollout.max_new_tokens ({r.max_new_tokens}) exceeds rollout.max_tokens ({r.max_tokens}), the "
             "whole-episode budget; lower max_new_tokens or raise max_tokens"
         )
-    if lr.advantage in ("grpo", "rloo"):
-        if lr.group_size < 2:
+    if lr.advantage in ("grpo", "rloo", "raft"):
+        if lr.group_size < 2 and lr.advantage != "raft":
             out.append(
                 f"learner.group_size ({lr.group_size}) must be >= 2 for {lr.advantage} (advantages are "
                 "relative to the group); use 2 or more, or learner.advantage=gae"
@@ -366,7 +367,12 @@ def _budget_problems(c: RunConfig) -> list[str]:
                 f"rollout.episodes ({r.episodes}) must be a multiple of learner.group_size "
                 f"({lr.group_size}) for {lr.advantage}; e.g. rollout.episodes={fit}"
             )
-    elif lr.turn_credit:
+    if lr.turn_credit and lr.advantage == "raft":
+        out.append(
+            "learner.turn_credit applies to grpo/rloo; raft trains successful episodes with one weight each. "
+            "Set learner.turn_credit=false"
+        )
+    elif lr.turn_credit and lr.advantage == "gae":
         out.append(
             "learner.turn_credit applies to grpo/rloo; with advantage=gae per-turn rewards already land on "
             "their turn's tokens. Set learner.turn_credit=false"

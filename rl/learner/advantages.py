@@ -11,6 +11,15 @@ Group baselines (GRPO, RLOO). For the n >= 2 valid members of a group with rewar
 std is Bessel-corrected and eps = 1e-4 is added to it: TRL's conventions (GRPOTrainer), so scale="group"
 with baseline="mean" is TRL's GRPO advantage.
 
+RAFT (rejection-sampling fine-tuning, Dong et al. 2023): only the successful members of a group are trained
+(`rl.learner.selection`), each completion of a group once however many times it was sampled:
+
+    raft:  A_i = 1 / c_i    c_i = number of kept members of i's group with the same generated tokens
+
+so every solved task weighs the same for each distinct solution, and an easy task sampled four times
+identically does not count four times (docs/training.md, "Diagnosis so far": duplicates and tasks left
+out both made the update worse on the tiny demo).
+
 GAE (PPO) runs over the generated tokens of one trajectory in order, t = 0..n-1; prompt and observation
 tokens are the environment's transitions, so the recursion skips them:
 
@@ -81,6 +90,17 @@ def group_advantages(
     if scale == "batch":
         adv = adv / ((r.std() if r.numel() > 1 else r.new_zeros(())) + STD_EPS)
     return adv
+
+
+def raft_advantages(group_ids: Sequence[Hashable], completions: Sequence[Hashable]) -> torch.Tensor:
+    """A_i = 1 / c_i over the kept (successful) members (module docstring): group_ids and completions (a key
+    of each member's generated tokens) [N] -> float64 [N]."""
+    if len(group_ids) != len(completions):
+        raise ValueError(f"{len(group_ids)} group ids for {len(completions)} completions; give one each")
+    counts: dict[tuple[Hashable, Hashable], int] = {}
+    for key in zip(group_ids, completions):
+        counts[key] = counts.get(key, 0) + 1
+    return torch.tensor([1.0 / counts[key] for key in zip(group_ids, completions)], dtype=torch.float64)
 
 
 def weight_negative(adv: torch.Tensor, weight: float) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rewards.placement import token_rewards
-from rl.learner.advantages import group_advantages, turn_returns
+from rl.learner.advantages import group_advantages, raft_advantages, turn_returns
 from rl.learner.selection import baseline_reward, describe, select
 from rl.trajectory import Trajectory
 
@@ -176,13 +176,15 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
     GAE samples get per-token rewards here; their advantages need values (the learner's first pass)."""
     if not trajs:
         raise ValueError("Learner.step got an empty batch: pass at least one scored trajectory")
-    grouped = lcfg.advantage in ("grpo", "rloo")
+    grouped = lcfg.advantage in ("grpo", "rloo", "raft")
+    raft = lcfg.advantage == "raft"
     sel = select(
         trajs,
         grouped=grouped,
         group_size=lcfg.group_size,
-        turn_credit=lcfg.turn_credit,
+        turn_credit=lcfg.turn_credit and not raft,
         overlong_filter=lcfg.overlong_filter,
+        successes_only=raft,
     )
     for i, t in enumerate(trajs):  # excluded ones too: a wrong tokenizer is never silent
         check_tokenizer(t, i, facts)
@@ -191,7 +193,12 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
     group_of = {i: g for g, idx in sel.groups.items() for i in idx}
     samples = [to_sample(trajs[i], i, group_of.get(i)) for i in sel.kept]
     episode_adv: dict[int, float] = {}
-    if grouped and sel.groups:
+    if raft and sel.groups:
+        members = [i for idx in sel.groups.values() for i in idx]
+        generated = [trajs[i].tokens[trajs[i].loss_mask == 1].tobytes() for i in members]
+        adv = raft_advantages([group_of[i] for i in members], generated)
+        episode_adv = dict(zip(members, adv.tolist()))
+    elif grouped and sel.groups:
         members = [i for idx in sel.groups.values() for i in idx]
         adv = group_advantages(
             [baseline_reward(trajs[i], lcfg.turn_credit) for i in members],
@@ -204,7 +211,7 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
         t = trajs[s.index]
         if grouped:
             a = np.full(s.n_scored, episode_adv[s.index], dtype=np.float64)
-            if lcfg.turn_credit and t.turn_rewards:
+            if lcfg.turn_credit and t.turn_rewards and not raft:
                 G = turn_returns(t.turn_rewards, lcfg.gamma).numpy()
                 a += G[_turn_of_tokens(t, s.scored + 1)]
             s.advantages = a

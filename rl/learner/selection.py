@@ -9,6 +9,9 @@ In order, with every exclusion counted (the counts become `learner/...` metrics)
 3. A group whose members' rewards are all equal is dropped (DAPO's dynamic sampling: every advantage would
    be 0). With turn credit the group stays when any member has a non-zero per-turn reward, since those
    reach the tokens through returns-to-go even when the episode rewards tie.
+   raft instead: only the successful members of a group (outcome, the env's success, >= 1.0) are kept,
+   whatever their rewards, and a group without one is dropped (`no_success_groups`); no size limit, since
+   raft needs no baseline.
 4. Overlong filtering (DAPO): a truncated episode keeps its place in its group's statistics (step 2 and 3
    and the baseline) but is kept out of the loss.
 
@@ -52,6 +55,11 @@ def baseline_reward(traj: Trajectory, turn_credit: bool) -> float:
     return total - sum(traj.turn_rewards) if turn_credit else total
 
 
+def succeeded(traj: Trajectory) -> bool:
+    """raft's criterion: the env reported full success (outcome >= 1.0)."""
+    return traj.outcome is not None and traj.outcome >= 1.0
+
+
 @dataclass
 class Selection:
     """kept: batch indices trained on (sorted); groups: group key -> kept-or-filtered indices whose group
@@ -69,8 +77,10 @@ def select(
     group_size: int,
     turn_credit: bool = False,
     overlong_filter: bool = False,
+    successes_only: bool = False,
 ) -> Selection:
-    """Apply the rules of the module docstring. `grouped`: grpo/rloo (True) or gae (False)."""
+    """Apply the rules of the module docstring. `grouped`: grpo/rloo/raft (True) or gae (False);
+    `successes_only`: raft's step 3."""
     counts = {
         "infra_errors": 0,
         "reward_errors": 0,
@@ -80,6 +90,8 @@ def select(
         "small_group_members": 0,
         "equal_groups": 0,
         "equal_group_members": 0,
+        "no_success_groups": 0,
+        "unsuccessful": 0,
         "overlong_filtered": 0,
     }
     valid = []
@@ -114,6 +126,14 @@ def select(
         for g, idx in members.items():
             ok = [i for i in idx if i in valid_set]
             if not ok:
+                continue
+            if successes_only:
+                won = [i for i in ok if succeeded(trajs[i])]
+                counts["unsuccessful"] += len(ok) - len(won)
+                if won:
+                    groups[g] = won
+                else:
+                    counts["no_success_groups"] += 1
                 continue
             if len(ok) < 2:
                 counts["small_groups"] += 1

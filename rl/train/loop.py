@@ -126,7 +126,7 @@ class Trainer:
         self.console = console or Console()
         self.worker_cls = worker_cls
         o = cfg.orchestrator
-        self.group_size = cfg.learner.group_size if cfg.learner.advantage in ("grpo", "rloo") else 1
+        self.group_size = cfg.learner.group_size if cfg.learner.advantage in ("grpo", "rloo", "raft") else 1
         self.k = o.max_staleness
         self.run_dir = Path(cfg.logging.run_dir).expanduser().resolve()
         self.store = TrajectoryStore(self.run_dir / "trajectories")
