@@ -367,6 +367,11 @@ def _budget_problems(c: RunConfig) -> list[str]:
                 f"rollout.episodes ({r.episodes}) must be a multiple of learner.group_size "
                 f"({lr.group_size}) for {lr.advantage}; e.g. rollout.episodes={fit}"
             )
+    if lr.advantage == "raft" and c.orchestrator.dynamic_sampling:
+        out.append(
+            "orchestrator.dynamic_sampling discards groups whose rewards are all equal, and raft trains "
+            "on the all-success ones; set orchestrator.dynamic_sampling=false with learner.advantage=raft"
+        )
     if lr.turn_credit and lr.advantage == "raft":
         out.append(
             "learner.turn_credit applies to grpo/rloo; raft trains successful episodes with one weight each. "

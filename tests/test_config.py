@@ -178,6 +178,14 @@ def test_contradicting_budgets_and_unknown_names():
         "turn's tokens. Set learner.turn_credit=false",
         "learner.critic_preset: unknown preset 'tinny' (choose from k3, small, tiny)",
     ]
+    problems = problems_of(TINY, ["learner.advantage=raft", "learner.turn_credit=true",
+                                  "orchestrator.dynamic_sampling=true"])
+    assert [p.split(";")[0] for p in problems] == [
+        "orchestrator.dynamic_sampling discards groups whose rewards are all equal, and raft trains "
+        "on the all-success ones",
+        "learner.turn_credit applies to grpo/rloo",
+    ]
+    assert load_config(TINY, ["learner.advantage=raft", "learner.group_size=1"]).learner.group_size == 1
     (msg,) = problems_of(TINY, ["learner.mis_band=[2.0, 0.5]"])
     assert msg.startswith("learner.mis_band: mis_band must be [lo, hi] with 0 <= lo < 1 < hi")
     (msg,) = problems_of(TINY, ["model.preset=tinny"])

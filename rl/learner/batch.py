@@ -182,7 +182,7 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
         trajs,
         grouped=grouped,
         group_size=lcfg.group_size,
-        turn_credit=lcfg.turn_credit and not raft,
+        turn_credit=lcfg.turn_credit,
         overlong_filter=lcfg.overlong_filter,
         successes_only=raft,
     )
