@@ -1,24 +1,24 @@
 """Does RL beat the SFT-only checkpoint? -> bench/results/learning.json + docs/img/learning.png.
 
-For each training seed s (--seeds): `odyssey train configs/tiny.yaml` with make demo's recipe (GRPO, real
-Docker sandboxes, learner.lr 5e-5, learner.warmup_steps 3) from the SFT warm-up checkpoint (--init-from,
-built by `odyssey warmup` when missing), with rollout.seed = s: the seed of the task stream, of every
-sampling seed and of the held-out tasks. The held-out evaluation before the first step is the SFT-only
-checkpoint, the one after the last step is RL; both play the same held-out tasks with the same sampling
-seeds at the training temperature, so each seed gives a paired difference. Reported: mean over seeds and
-the standard error (std / sqrt(n), n = seeds) of SFT-only and RL success, their ratio and difference, and
-whether the issue's target (RL >= 1.5x SFT-only, or >= +0.3 absolute) is met.
+For each training seed s (--seeds) and variant: `odyssey train configs/tiny.yaml` (real Docker sandboxes,
+Ray, async) from the SFT warm-up checkpoint (--init-from, built by `odyssey warmup` when missing), with
+rollout.seed = s: the seed of the task stream, of every sampling seed and of the held-out tasks. The
+held-out evaluation before the first step is the SFT-only checkpoint, the one after the last step is RL;
+both play the same held-out tasks with the same sampling seeds at the training temperature, so each seed
+gives a paired difference. Reported per variant: mean over seeds and the standard error (std / sqrt(n),
+n = seeds) of SFT-only and RL success, their ratio and difference, and whether the issue's target (RL >=
+1.5x SFT-only, or >= +0.3 absolute) is met.
 
-Ablation (multi-turn task: arith is calc, then answer): the same runs with the process and sub-goal
-rewards removed (outcome and overlong only). And `rl_raft`: the same runs with learner.advantage=raft
-(successful episodes only, each distinct completion once; lr 1e-4, 5 warm-up steps), the estimator that
-came out of the diagnosis in docs/training.md. `--variants` runs some of them; the results file keeps the
-runs of the others.
+Variants: `rl_raft` is make demo's recipe (learner.advantage=raft: each group's best successful episodes;
+lr 5e-5, 5 warm-up steps). `rl` is GRPO with lr 5e-5 and 3 warm-up steps (the demo's recipe before), and
+`rl_outcome_only` the same without the process and sub-goal rewards (the ablation on a multi-turn task:
+arith is calc, then answer). `--variants` runs some of them; the results file keeps the runs of the
+others, each with the steps and eval episodes it was run with (see "summary").
 
 Task families: arith only. code-repair and long-docs have no in-process oracle for a fast SFT warm-up of
 the tiny policy yet (their tools need a sandbox per transcript), so they are not in this bench.
 
-    .venv/bin/python bench/learning.py [--steps 20] [--seeds 0 1 2] [--init-from runs/tiny/warmup]
+    .venv/bin/python bench/learning.py [--variants rl_raft] [--steps 60] [--eval-episodes 256] [--seeds 0 1 2]
 """
 
 from __future__ import annotations
@@ -38,23 +38,23 @@ sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "bench" / "results" / "learning.json"
 PLOT = ROOT / "docs" / "img" / "learning.png"
-RECIPE = ["learner.lr=5e-5", "learner.warmup_steps=3"]  # make demo's (Makefile)
+RECIPE = ["learner.lr=5e-5", "learner.warmup_steps=3"]  # every variant's base; rl_raft overrides it
 VARIANTS = {
     "rl": [],
     "rl_outcome_only": [
         "rewards=[{name: outcome, weight: 1.0}, {name: overlong, weight: 1.0, "
         "params: {max_completion_len: 512, soft_punish_cache: 128}}]"
     ],
-    "rl_raft": ["learner.advantage=raft", "learner.lr=1e-4", "learner.warmup_steps=5"],
+    "rl_raft": ["learner.advantage=raft", "learner.lr=5e-5", "learner.warmup_steps=5"],
 }
 LABELS = {
     "rl": "RL, GRPO\n(all rewards)",
     "rl_outcome_only": "RL, GRPO\n(outcome only)",
-    "rl_raft": "RL, RAFT",
+    "rl_raft": "RL, RAFT (best of group)\n= make demo",
 }
 
 
-def run(variant: str, seed: int, steps: int, init_from: str, out: Path) -> dict:
+def run(variant: str, seed: int, steps: int, eval_episodes: int, init_from: str, out: Path) -> dict:
     from rich.console import Console
 
     from rl.config import load_config
@@ -67,6 +67,7 @@ def run(variant: str, seed: int, steps: int, init_from: str, out: Path) -> dict:
         f"learner.steps={steps}",
         f"rollout.seed={seed}",
         f"orchestrator.eval_every={steps}",
+        f"orchestrator.eval_episodes={eval_episodes}",
         "orchestrator.checkpoint_every=0",
         *RECIPE,
         *VARIANTS[variant],
@@ -81,6 +82,7 @@ def run(variant: str, seed: int, steps: int, init_from: str, out: Path) -> dict:
         "variant": variant,
         "seed": seed,
         "steps": steps,
+        "eval_episodes": eval_episodes,
         "sft": {k: first[k] for k in ("success", "greedy", "pass@4", "episodes", "infra_errors")},
         "rl": {k: last[k] for k in ("success", "greedy", "pass@4", "episodes", "infra_errors")},
         "wall_s": round(time.perf_counter() - t0, 1),
@@ -106,6 +108,7 @@ def summarize(runs: list[dict]) -> dict:
         (ms, ses), (mr, ser), (md, sed) = mean_se(sft), mean_se(rl), mean_se(diff)
         out[variant] = {
             "seeds": [r["seed"] for r in rs],
+            "steps": rs[0]["steps"], "eval_episodes": rs[0].get("eval_episodes", 64),
             "sft_success_mean": ms, "sft_success_se": ses,
             "rl_success_mean": mr, "rl_success_se": ser,
             "diff_mean": md, "diff_se": sed,
@@ -116,34 +119,31 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def plot(summary: dict, runs: list[dict]) -> None:
+    """Per variant, its paired SFT-only (before) and RL (after) bars: mean ± SE, seeds as dots."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels, means, ses, points = [], [], [], []
-    first = next(iter(summary.values()))
-    labels.append("SFT-only")
-    means.append(first["sft_success_mean"])
-    ses.append(first["sft_success_se"])
-    points.append([r["sft"]["success"] for r in runs if r["variant"] == next(iter(summary))])
-    for variant, s in summary.items():
-        labels.append(LABELS[variant])
-        means.append(s["rl_success_mean"])
-        ses.append(s["rl_success_se"])
-        points.append([r["rl"]["success"] for r in runs if r["variant"] == variant])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = range(len(labels))
-    ax.bar(xs, means, yerr=ses, capsize=6, color=["#999999", "#3b75af", "#e1812c", "#3a923a"][: len(labels)])
-    for x, ps in zip(xs, points):
-        ax.scatter([x] * len(ps), ps, color="black", s=12, zorder=3)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ticks, names = [], []
+    for g, (variant, s) in enumerate(summary.items()):
+        rs = [r for r in runs if r["variant"] == variant]
+        for j, (key, color) in enumerate((("sft", "#999999"), ("rl", "#3b75af"))):
+            x = 3 * g + j
+            ax.bar(x, s[f"{key}_success_mean"], yerr=s[f"{key}_success_se"], capsize=5, color=color,
+                   label=("SFT-only (before RL)", "after RL")[j] if g == 0 else None)
+            ax.scatter([x] * len(rs), [r[key]["success"] for r in rs], color="black", s=10, zorder=3)
+        ticks.append(3 * g + 0.5)
+        names.append(f"{LABELS[variant]}\n{s['steps']} steps, {s['eval_episodes']} eval eps")
     ax.axhline(0.85, ls="--", color="gray", lw=1)
-    ax.text(len(labels) - 0.5, 0.86, "target 0.85", ha="right", fontsize=8, color="gray")
-    ax.set_xticks(list(xs), labels)
+    ax.text(ticks[-1] + 1, 0.86, "target 0.85", ha="right", fontsize=8, color="gray")
+    ax.set_xticks(ticks, names, fontsize=8)
     ax.set_ylim(0, 1)
     ax.set_ylabel("held-out success (T = 1)")
-    n = len(first["seeds"])
-    ax.set_title(f"arith d0, tiny: SFT-only vs RL ({n} seeds, mean ± SE)")
+    ax.legend(loc="lower right", fontsize=8)
+    n = len(next(iter(summary.values()))["seeds"])
+    ax.set_title(f"arith d0, tiny: SFT-only vs RL, paired per variant ({n} seeds, mean ± SE)")
     fig.tight_layout()
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(PLOT, dpi=120)
@@ -151,7 +151,8 @@ def plot(summary: dict, runs: list[dict]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--eval-episodes", type=int, default=256, help="sampled held-out episodes per eval")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--init-from", default=str(ROOT / "runs" / "tiny" / "warmup"))
@@ -166,10 +167,10 @@ def main() -> int:
             return 1
     out = Path(args.out)
     kept = json.loads(RESULTS.read_text())["runs"] if RESULTS.is_file() else []
-    runs = [r for r in kept if r["variant"] not in args.variants and r["steps"] == args.steps]
+    runs = [r for r in kept if r["variant"] not in args.variants]  # each variant keeps its own steps
     for variant in args.variants:
         for seed in args.seeds:
-            runs.append(run(variant, seed, args.steps, str(init), out))
+            runs.append(run(variant, seed, args.steps, args.eval_episodes, str(init), out))
     summary = summarize(runs)
     for variant, s in summary.items():
         print(f"{variant}: SFT-only {s['sft_success_mean']:.3f} ± {s['sft_success_se']:.3f}  RL "
@@ -178,7 +179,7 @@ def main() -> int:
               f"{'met' if s['target_met'] else 'MISSED'}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "bench": "learning", "family": "arith (difficulty 0)", "recipe": RECIPE, "steps": args.steps,
+        "bench": "learning", "family": "arith (difficulty 0)", "recipe": RECIPE,
         "variants": VARIANTS,
         "episodes_per_step": 16, "machine": platform.platform(), "summary": summary, "runs": runs,
     }, indent=2) + "\n")  # fmt: skip

@@ -171,7 +171,7 @@ class LearnerSection(_Section):
     """Policy optimisation (rl/learner/, docs/learner.md): advantages, loss, off-policy correction, optimiser,
     packing and data parallelism."""
 
-    # group mean baseline | leave-one-out | PPO (value) | successes only, each distinct completion once
+    # group mean baseline | leave-one-out | PPO (value) | each group's best successes (weight 1 per task)
     advantage: Literal["grpo", "rloo", "gae", "raft"] = "grpo"
     policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
     steps: int = Field(100, ge=1)  # policy steps (Learner.step calls); sizes the lr schedule

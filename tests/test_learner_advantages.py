@@ -142,7 +142,7 @@ def test_selection_counts_every_exclusion():
     assert sel.counts == {
         "infra_errors": 0, "reward_errors": 1, "unscored": 1, "no_generated": 0, "small_groups": 1,
         "small_group_members": 1, "equal_groups": 1, "equal_group_members": 3, "no_success_groups": 0,
-        "unsuccessful": 0, "overlong_filtered": 1,
+        "unsuccessful": 0, "below_best": 0, "overlong_filtered": 1,
     }
     # gae: no groups, only the trainability rules and the overlong filter
     assert select(batch, grouped=False, group_size=1, overlong_filter=False).kept == [0, 1, 2, 3, 4, 5, 8]
@@ -171,26 +171,30 @@ def test_negative_advantage_weight_scales_only_negative_tokens():
     assert torch.equal(weight_negative(adv, 0.0), torch.tensor([1.5, 0.0, 0.0, 0.0], dtype=f64))
 
 
-def test_raft_trains_successes_only_each_distinct_completion_once():
+def test_raft_trains_each_groups_best_successes_with_one_unit_of_weight_per_group():
     """raft: an all-success group is kept (grpo would drop it), an all-failure group is dropped and counted,
-    failed members are left out, and identical successful completions of a group share one unit of weight."""
-    assert raft_advantages(["a", "a", "a", "b"], [b"x", b"x", b"y", b"x"]).tolist() == [0.5, 0.5, 1.0, 1.0]
+    failed members and successes below the group's best total reward (a detour the process reward marked
+    down) are left out, and the kept members of a group share one unit of weight, identical or not."""
+    assert raft_advantages(["a", "a", "b", "a"]).tolist() == [1 / 3, 1 / 3, 1.0, 1 / 3]
     solved = _group([1.0, 1.0, 1.0], group="solved")
     for t in solved:
         t.outcome = 1.0
-    solved[0].tokens = solved[1].tokens.copy()  # two identical completions
-    solved[0].loss_mask = solved[1].loss_mask.copy()
+    ranked = _group([1.2, 0.9, 1.2, 0.0], group="ranked")
+    for t, won in zip(ranked, [1.0, 1.0, 1.0, 0.0]):
+        t.outcome = won
     mixed = _group([1.0, 0.0], group="mixed")
     mixed[0].outcome, mixed[1].outcome = 1.0, 0.0
     failed = _group([0.0, 0.0], group="failed")
     for t in failed:
         t.outcome = 0.0
-    batch = solved + mixed + failed
+    batch = solved + ranked + mixed + failed
     sel = select(batch, grouped=True, group_size=4, successes_only=True)
-    assert sel.kept == [0, 1, 2, 3]
-    assert sel.counts["no_success_groups"] == 1 and sel.counts["unsuccessful"] == 3
+    assert sel.kept == [0, 1, 2, 3, 5, 7]
+    assert sel.counts["no_success_groups"] == 1 and sel.counts["unsuccessful"] == 4
+    assert sel.counts["below_best"] == 1
     assert select(batch, grouped=True, group_size=4).counts["equal_groups"] == 2  # grpo drops solved too
     lc = LearnerSection(advantage="raft", group_size=4, routing_replay=False)
     prepared = prepare_batch(batch, FACTS, lc)
     adv = {s.index: set(s.advantages.tolist()) for s in prepared.samples}
-    assert adv == {0: {0.5}, 1: {0.5}, 2: {1.0}, 3: {1.0}}
+    assert adv == {0: {1 / 3}, 1: {1 / 3}, 2: {1 / 3}, 3: {0.5}, 5: {0.5}, 7: {1.0}}
+    assert prepared.metrics["learner/below_best"] == 1.0

@@ -11,14 +11,16 @@ Group baselines (GRPO, RLOO). For the n >= 2 valid members of a group with rewar
 std is Bessel-corrected and eps = 1e-4 is added to it: TRL's conventions (GRPOTrainer), so scale="group"
 with baseline="mean" is TRL's GRPO advantage.
 
-RAFT (rejection-sampling fine-tuning, Dong et al. 2023): only the successful members of a group are trained
-(`rl.learner.selection`), each completion of a group once however many times it was sampled:
+RAFT (reward-ranked fine-tuning, Dong et al. 2023): of each group only the successful members with the
+group's highest total reward are trained (`rl.learner.selection`), and the group's weight is split over them:
 
-    raft:  A_i = 1 / c_i    c_i = number of kept members of i's group with the same generated tokens
+    raft:  A_i = 1 / k_g    k_g = number of kept members of i's group
 
-so every solved task weighs the same for each distinct solution, and an easy task sampled four times
-identically does not count four times (docs/training.md, "Diagnosis so far": duplicates and tasks left
-out both made the update worse on the tiny demo).
+so every solved task weighs 1 per step, however many times its best episode was sampled. Sharing the weight
+per group, not per distinct completion, matters: with one weight per distinct completion a one-off success
+that took a detour (a garbled expression that happened to give the right answer) weighed as much as the
+three identical clean ones together, and training on those detours lowered success on the tiny demo
+(docs/training.md, "Diagnosis").
 
 GAE (PPO) runs over the generated tokens of one trajectory in order, t = 0..n-1; prompt and observation
 tokens are the environment's transitions, so the recursion skips them:
@@ -92,15 +94,12 @@ def group_advantages(
     return adv
 
 
-def raft_advantages(group_ids: Sequence[Hashable], completions: Sequence[Hashable]) -> torch.Tensor:
-    """A_i = 1 / c_i over the kept (successful) members (module docstring): group_ids and completions (a key
-    of each member's generated tokens) [N] -> float64 [N]."""
-    if len(group_ids) != len(completions):
-        raise ValueError(f"{len(group_ids)} group ids for {len(completions)} completions; give one each")
-    counts: dict[tuple[Hashable, Hashable], int] = {}
-    for key in zip(group_ids, completions):
-        counts[key] = counts.get(key, 0) + 1
-    return torch.tensor([1.0 / counts[key] for key in zip(group_ids, completions)], dtype=torch.float64)
+def raft_advantages(group_ids: Sequence[Hashable]) -> torch.Tensor:
+    """A_i = 1 / k_g over the kept members (module docstring): the group of each member [N] -> float64 [N]."""
+    counts: dict[Hashable, int] = {}
+    for g in group_ids:
+        counts[g] = counts.get(g, 0) + 1
+    return torch.tensor([1.0 / counts[g] for g in group_ids], dtype=torch.float64)
 
 
 def weight_negative(adv: torch.Tensor, weight: float) -> torch.Tensor:

@@ -195,8 +195,7 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
     episode_adv: dict[int, float] = {}
     if raft and sel.groups:
         members = [i for idx in sel.groups.values() for i in idx]
-        generated = [trajs[i].tokens[trajs[i].loss_mask == 1].tobytes() for i in members]
-        adv = raft_advantages([group_of[i] for i in members], generated)
+        adv = raft_advantages([group_of[i] for i in members])
         episode_adv = dict(zip(members, adv.tolist()))
     elif grouped and sel.groups:
         members = [i for idx in sel.groups.values() for i in idx]

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import random
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,9 +170,12 @@ class Learner:
             ref = build_policy(cfg).to(self.device).eval()
             ref.requires_grad_(False)
             self.reference = TrainModule(ref, sequence_chunk_tokens=lc.sequence_chunk_tokens)
-        self.ddp = (
-            DistributedDataParallel(self.module, broadcast_buffers=False) if self.distributed else self.module
-        )
+        self.ddp = self.module
+        if self.distributed:
+            with warnings.catch_warnings():  # torch deprecates broadcast_buffers; its replacement is not
+                # equivalent yet (it syncs at init), so keep it and keep every run's log free of the warning
+                warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+                self.ddp = DistributedDataParallel(self.module, broadcast_buffers=False)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, lc)
         self.scheduler = build_scheduler(self.optimizer, lc)

@@ -9,9 +9,11 @@ In order, with every exclusion counted (the counts become `learner/...` metrics)
 3. A group whose members' rewards are all equal is dropped (DAPO's dynamic sampling: every advantage would
    be 0). With turn credit the group stays when any member has a non-zero per-turn reward, since those
    reach the tokens through returns-to-go even when the episode rewards tie.
-   raft instead: only the successful members of a group (outcome, the env's success, >= 1.0) are kept,
-   whatever their rewards, and a group without one is dropped (`no_success_groups`); no size limit, since
-   raft needs no baseline.
+   raft instead (RAFT's reward ranking): of a group's successful members (outcome, the env's success,
+   >= 1.0) only those with the group's highest total reward are kept (`below_best` counts the others: a
+   success whose process reward is lower, e.g. it made a malformed tool call on the way, is not imitated
+   while a clean one exists), and a group without a success is dropped (`no_success_groups`); no size
+   limit, since raft needs no baseline.
 4. Overlong filtering (DAPO): a truncated episode keeps its place in its group's statistics (step 2 and 3
    and the baseline) but is kept out of the loss.
 
@@ -92,6 +94,7 @@ def select(
         "equal_group_members": 0,
         "no_success_groups": 0,
         "unsuccessful": 0,
+        "below_best": 0,
         "overlong_filtered": 0,
     }
     valid = []
@@ -130,10 +133,13 @@ def select(
             if successes_only:
                 won = [i for i in ok if succeeded(trajs[i])]
                 counts["unsuccessful"] += len(ok) - len(won)
-                if won:
-                    groups[g] = won
-                else:
+                if not won:
                     counts["no_success_groups"] += 1
+                    continue
+                best_total = max(trajs[i].rewards["total"] for i in won)
+                best = [i for i in won if trajs[i].rewards["total"] >= best_total - 1e-9]
+                counts["below_best"] += len(won) - len(best)
+                groups[g] = best
                 continue
             if len(ok) < 2:
                 counts["small_groups"] += 1
