@@ -76,9 +76,13 @@ def cli_main(argv: list[str]) -> int:
         )
         return 1
     final = summary.get("final", {})
+    last = ", ".join(
+        f"{name} {final[key]:.3f}" for name, key in (("success", "success"), ("reward", "reward/total"))
+        if isinstance(final.get(key), (int, float))
+    )
     console.print(
         f"odyssey train: done, {summary['steps']} steps in {summary['run_dir']} "
-        f"(success {final.get('success')}, reward {final.get('reward/total')}); "
+        f"(last training batch: {last or 'no scored episodes'}); "
         f"metrics: {summary['run_dir']}/metrics.jsonl",
         highlight=False,
     )
