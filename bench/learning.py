@@ -11,9 +11,11 @@ n = seeds) of SFT-only and RL success, their ratio and difference, and whether t
 
 Variants: `rl_raft` is make demo's recipe (learner.advantage=raft: each group's best successful episodes;
 lr 5e-5, 5 warm-up steps). `rl` is GRPO with lr 5e-5 and 3 warm-up steps (the demo's recipe before), and
-`rl_outcome_only` the same without the process and sub-goal rewards (the ablation on a multi-turn task:
-arith is calc, then answer). `--variants` runs some of them; the results file keeps the runs of the
-others, each with the steps and eval episodes it was run with (see "summary").
+`rl_outcome_only` / `rl_raft_outcome_only` the same without the process and sub-goal rewards (the ablation
+on a multi-turn task: arith is calc, then answer; for raft the shaped rewards only rank a group's
+successes, so without them every success of a group is kept). `--variants` runs some of them; the
+results file keeps the runs of the others, each with the steps and eval episodes it was run with (see
+"summary").
 
 Task families: arith only. code-repair and long-docs have no in-process oracle for a fast SFT warm-up of
 the tiny policy yet (their tools need a sandbox per transcript), so they are not in this bench.
@@ -46,11 +48,17 @@ VARIANTS = {
         "params: {max_completion_len: 512, soft_punish_cache: 128}}]"
     ],
     "rl_raft": ["learner.advantage=raft", "learner.lr=5e-5", "learner.warmup_steps=5"],
+    "rl_raft_outcome_only": [
+        "learner.advantage=raft", "learner.lr=5e-5", "learner.warmup_steps=5",
+        "rewards=[{name: outcome, weight: 1.0}, {name: overlong, weight: 1.0, "
+        "params: {max_completion_len: 512, soft_punish_cache: 128}}]",
+    ],
 }
 LABELS = {
     "rl": "RL, GRPO\n(all rewards)",
     "rl_outcome_only": "RL, GRPO\n(outcome only)",
     "rl_raft": "RL, RAFT (best of group)\n= make demo",
+    "rl_raft_outcome_only": "RL, RAFT\n(outcome only)",
 }
 
 

@@ -20,7 +20,7 @@ so every solved task weighs 1 per step, however many times its best episode was 
 per group, not per distinct completion, matters: with one weight per distinct completion a one-off success
 that took a detour (a garbled expression that happened to give the right answer) weighed as much as the
 three identical clean ones together, and training on those detours lowered success on the tiny demo
-(docs/training.md, "Diagnosis").
+(docs/training.md, "Diagnosis so far").
 
 GAE (PPO) runs over the generated tokens of one trajectory in order, t = 0..n-1; prompt and observation
 tokens are the environment's transitions, so the recursion skips them:
