@@ -13,8 +13,9 @@ setup:
 	@bash scripts/setup.sh
 
 ## The main job, end to end on CPU: SFT warm-up of the tiny policy on oracle arith episodes (skipped when
-## runs/tiny/warmup already holds it), then RL (RAFT: each group's best successes) with rollouts in real Docker sandboxes, evaluated on held-out
-## tasks before the first and after the last step (re-running resumes, or just reprints a finished run).
+## runs/tiny/warmup already holds it), then RL (RAFT: each group's best successes) with rollouts in real
+## Docker sandboxes, evaluated on held-out tasks before the first and after the last step (re-running
+## resumes, or just reprints a finished run).
 demo: setup
 	$(VENV)/bin/odyssey warmup configs/tiny.yaml --out $(CURDIR)/runs/tiny/warmup
 	$(VENV)/bin/odyssey train configs/tiny.yaml model.init_from=$(CURDIR)/runs/tiny/warmup \

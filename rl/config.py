@@ -167,6 +167,9 @@ class RolloutSection(_Section):
     max_infra_fraction: float = Field(0.5, gt=0.0, le=1.0)
 
 
+GROUPED_ADVANTAGES = ("grpo", "rloo", "raft")  # learner.advantage values computed per task group
+
+
 class LearnerSection(_Section):
     """Policy optimisation (rl/learner/, docs/learner.md): advantages, loss, off-policy correction, optimiser,
     packing and data parallelism."""
@@ -355,18 +358,17 @@ def _budget_problems(c: RunConfig) -> list[str]:
             f"rollout.max_new_tokens ({r.max_new_tokens}) exceeds rollout.max_tokens ({r.max_tokens}), the "
             "whole-episode budget; lower max_new_tokens or raise max_tokens"
         )
-    if lr.advantage in ("grpo", "rloo", "raft"):
-        if lr.group_size < 2 and lr.advantage != "raft":
-            out.append(
-                f"learner.group_size ({lr.group_size}) must be >= 2 for {lr.advantage} (advantages are "
-                "relative to the group); use 2 or more, or learner.advantage=gae"
-            )
-        elif r.episodes % lr.group_size:
-            fit = lr.group_size * max(1, r.episodes // lr.group_size)
-            out.append(
-                f"rollout.episodes ({r.episodes}) must be a multiple of learner.group_size "
-                f"({lr.group_size}) for {lr.advantage}; e.g. rollout.episodes={fit}"
-            )
+    if lr.advantage in ("grpo", "rloo") and lr.group_size < 2:  # raft needs no baseline: any size
+        out.append(
+            f"learner.group_size ({lr.group_size}) must be >= 2 for {lr.advantage} (advantages are "
+            "relative to the group); use 2 or more, or learner.advantage=gae"
+        )
+    elif lr.advantage in GROUPED_ADVANTAGES and r.episodes % lr.group_size:
+        fit = lr.group_size * max(1, r.episodes // lr.group_size)
+        out.append(
+            f"rollout.episodes ({r.episodes}) must be a multiple of learner.group_size "
+            f"({lr.group_size}) for {lr.advantage}; e.g. rollout.episodes={fit}"
+        )
     if lr.advantage == "raft" and c.orchestrator.dynamic_sampling:
         out.append(
             "orchestrator.dynamic_sampling discards groups whose rewards are all equal, and raft trains "

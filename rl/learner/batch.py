@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rewards.placement import token_rewards
+from rl.config import GROUPED_ADVANTAGES
 from rl.learner.advantages import group_advantages, raft_advantages, turn_returns
 from rl.learner.selection import baseline_reward, describe, select
 from rl.trajectory import Trajectory
@@ -176,7 +177,7 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
     GAE samples get per-token rewards here; their advantages need values (the learner's first pass)."""
     if not trajs:
         raise ValueError("Learner.step got an empty batch: pass at least one scored trajectory")
-    grouped = lcfg.advantage in ("grpo", "rloo", "raft")
+    grouped = lcfg.advantage in GROUPED_ADVANTAGES
     raft = lcfg.advantage == "raft"
     sel = select(
         trajs,
@@ -193,18 +194,18 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
     group_of = {i: g for g, idx in sel.groups.items() for i in idx}
     samples = [to_sample(trajs[i], i, group_of.get(i)) for i in sel.kept]
     episode_adv: dict[int, float] = {}
-    if raft and sel.groups:
+    if grouped and sel.groups:
         members = [i for idx in sel.groups.values() for i in idx]
-        adv = raft_advantages([group_of[i] for i in members])
-        episode_adv = dict(zip(members, adv.tolist()))
-    elif grouped and sel.groups:
-        members = [i for idx in sel.groups.values() for i in idx]
-        adv = group_advantages(
-            [baseline_reward(trajs[i], lcfg.turn_credit) for i in members],
-            [group_of[i] for i in members],
-            baseline="rloo" if lcfg.advantage == "rloo" else "mean",
-            scale=lcfg.scale_rewards,
-        )
+        groups = [group_of[i] for i in members]
+        if raft:
+            adv = raft_advantages(groups)
+        else:
+            adv = group_advantages(
+                [baseline_reward(trajs[i], lcfg.turn_credit) for i in members],
+                groups,
+                baseline="rloo" if lcfg.advantage == "rloo" else "mean",
+                scale=lcfg.scale_rewards,
+            )
         episode_adv = dict(zip(members, adv.tolist()))
     for s in samples:
         t = trajs[s.index]
