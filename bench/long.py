@@ -19,6 +19,11 @@ Fits (chunked points): peak RSS = a + b T (least squares; the extrapolation to 1
     python bench/long.py                        # ~20 min on a loaded 2-core machine
     python bench/long.py --tokens 16384 32768   # fewer points
     python bench/long.py --add 8192             # run more chunked lengths, merge into the JSON, refit
+    python bench/long.py --context-parallel 16384   # 1 rank vs 2 context-parallel ranks, same threads
+
+Context parallelism (--context-parallel T): one learner step on the same T-token trajectory, unchunked and
+without checkpointing, on 1 rank with --threads threads and on 2 ranks (learner.context_parallel=2, gloo)
+with --threads / 2 each: seconds (the slowest rank) and each rank's peak RSS.
 
 Timings taken while other jobs load the machine are noisy.
 """
@@ -71,6 +76,55 @@ def case(tokens: int, chunk: int, checkpointing: int = 1) -> dict:
             "peak_rss_gib": round(peak_rss_gib(), 3), "rss_after_setup_gib": round(rss_setup, 3),
             "windows": metrics["learner/sequence_chunks"], "loss": metrics["loss"],
             "grad_norm": metrics["grad_norm"]}
+
+
+def cp_rank(rank: int, ranks: int, tokens: int, init: str, threads: int, out: str) -> None:
+    """One rank of a context-parallel learner step (`learner.context_parallel = ranks`, unchunked, no
+    activation checkpointing) on the `case` trajectory; writes its seconds and peak RSS to out.<rank>."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    if ranks > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=ranks)
+    torch.manual_seed(0)
+    cfg = RunConfig.model_validate({
+        "learner": {"group_size": 2, "micro_batch_tokens": tokens, "tis_cap": None, "num_ranks": ranks,
+                    "context_parallel": ranks},
+        "rollout": {"max_tokens": tokens + 1, "max_new_tokens": min(512, tokens + 1)},
+    })
+    rng = np.random.default_rng(0)
+    trajs = [trajectory(rng, tokens + 1, moe_shape(cfg), 1.0), trajectory(rng, 2, moe_shape(cfg), 0.0)]
+    learner = Learner(cfg)
+    s = learner.prepare(trajs).samples[0]
+    plan = plan_step([s], 1, 1, 0)[0]
+    rss_setup = peak_rss_gib()
+    t0 = time.perf_counter()
+    metrics = learner.update([s], plan)
+    secs = time.perf_counter() - t0
+    Path(f"{out}.{rank}").write_text(json.dumps({
+        "rank": rank, "seconds": round(secs, 2), "peak_rss_gib": round(peak_rss_gib(), 3),
+        "rss_after_setup_gib": round(rss_setup, 3), "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"]}))
+    if ranks > 1:
+        dist.destroy_process_group()
+
+
+def context_parallel_case(tokens: int, ranks: int, threads_total: int) -> dict:
+    """A learner step at `ranks`-way context parallelism, the machine's threads split over the ranks."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    d = tempfile.mkdtemp()
+    threads = max(1, threads_total // ranks)
+    t0 = time.perf_counter()
+    mp.start_processes(cp_rank, args=(ranks, tokens, f"{d}/rendezvous", threads, f"{d}/rank"), nprocs=ranks,
+                       start_method="spawn")
+    rows = [json.loads(Path(f"{d}/rank.{r}").read_text()) for r in range(ranks)]
+    return {"tokens": tokens, "ranks": ranks, "threads_per_rank": threads,
+            "seconds": max(r["seconds"] for r in rows), "wall_s": round(time.perf_counter() - t0, 1),
+            "peak_rss_gib_per_rank": [r["peak_rss_gib"] for r in rows],
+            "loss": rows[0]["loss"], "grad_norm": rows[0]["grad_norm"]}
 
 
 def rss_gib(pid: int) -> float:
@@ -237,11 +291,28 @@ def main() -> int:
     p.add_argument("--refit", action="store_true", help="recompute the fits and the figure of --out")
     p.add_argument("--from-log", type=Path,
                    help="with --add: take the rows a previous run printed (its stdout) instead of --out")
+    p.add_argument("--context-parallel", type=int, metavar="T",
+                   help="run one learner step at T tokens on 1 rank and on 2 context-parallel ranks (the "
+                        "--threads split between them), unchunked; merge into --out")
     p.add_argument("--case", nargs="+", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.case:
         print(json.dumps(case(*args.case)))
+        return 0
+    if args.context_parallel:
+        rows = [context_parallel_case(args.context_parallel, r, args.threads) for r in (1, 2)]
+        for r in rows:
+            print("context parallel", json.dumps(r), flush=True)
+        result = json.loads(args.out.read_text())
+        result["context_parallel"] = {
+            "rows": rows, "speedup_2_ranks": round(rows[0]["seconds"] / rows[1]["seconds"], 3),
+            "peak_rss_ratio_per_rank": round(max(rows[1]["peak_rss_gib_per_rank"])
+                                             / rows[0]["peak_rss_gib_per_rank"][0], 3),
+            "loss_rel_diff": abs(rows[1]["loss"] - rows[0]["loss"]) / max(abs(rows[0]["loss"]), 1e-12),
+        }
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in result["context_parallel"].items() if k != "rows"}))
         return 0
     if args.refit:
         result = json.loads(args.out.read_text())

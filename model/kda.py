@@ -305,9 +305,30 @@ class KDAttention(nn.Module):
             fused = self.forward_fused(x, lens, state)
         if fused is not None:
             return fused
-        mixed = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        mixed = self.project_qkv(x)
+        q, k, v, g, beta, conv_state, fused = self.features(x, mixed, cu_seqlens,
+                                                            None if state is None else state.conv)
+        if state is not None and all(n == 1 for n in lens):  # decode: one new token per sequence
+            o, S = fused_recurrent_kda_step(q, k, v, g, beta, state.recurrent)
+        else:
+            o, S = self.recurrence(q, k, v, g, beta, cu_seqlens, None if state is None else state.recurrent)
+        return self.output(x, o, fused), KDALayerState(S, conv_state)
+
+    # The pieces of `forward` (context parallelism, model/context_parallel.py, runs them one by one).
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """[W_q; W_k; W_v] x: x [T, D] -> the short conv's input [T, 3HK]."""
+        return F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+
+    def features(
+        self, x: torch.Tensor, mixed: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ...]:
+        """Recurrence inputs of packed x [T, D] (mixed = project_qkv(x); conv_state [N, 3HK, W-1] | None):
+        (q, k [T, H, K] (q scaled by K^-1/2), v [T, H, K], g [T, H, K] fp32 >= g_min, beta [T, H], the new
+        conv state [N, 3HK, W-1], fused: whether the fused CPU kernels made them)."""
+        T = x.shape[0]
+        H, K = self.num_heads, self.head_dim
         mixed, conv_state = causal_short_conv_silu(  # SiLU(ShortConv(.)), fused on fp32 CPU
-            mixed, self.conv1d.weight.squeeze(1), cu_seqlens, None if state is None else state.conv
+            mixed, self.conv1d.weight.squeeze(1), cu_seqlens, conv_state
         )
         fused = mixed.dtype == torch.float32 and mixed.is_cpu and fused_cpu.load() is not None
         if fused:  # norms, decay gate and beta in one kernel forward and one backward (same formulas)
@@ -321,29 +342,31 @@ class KDAttention(nn.Module):
             beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
             z = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
             g = kda_gate(z.view(T, H, K), self.A_log, self.g_min)  # [T, H, K] fp32, >= g_min
+        return q, k, v, g, beta, conv_state, fused
 
-        if state is not None and all(n == 1 for n in lens):  # decode: one new token per sequence
-            o, S = fused_recurrent_kda_step(q, k, v, g, beta, state.recurrent)
-        else:
-            # kda_sequence picks its precisions (fp32 recurrence state): no autocast inside
-            with torch.autocast(device_type=x.device.type, enabled=False):
-                o, S = kda_sequence(  # g >= g_min >= -5 by construction (checked in __init__)
-                    q[None],
-                    k[None],
-                    v[None],
-                    g[None],
-                    beta[None],
-                    initial_state=None if state is None else state.recurrent,
-                    chunk_size=self.chunk_size,
-                    cu_seqlens=cu_seqlens,
-                )
-            o = o[0]
+    def recurrence(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recurrence (1) over packed sequences: (o [T, H, V], final states [N, H, K, V] fp32)."""
+        # kda_sequence picks its precisions (fp32 recurrence state): no autocast inside
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            o, S = kda_sequence(  # g >= g_min >= -5 by construction (checked in __init__)
+                q[None], k[None], v[None], g[None], beta[None],
+                initial_state=initial_state, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens,
+            )
+        return o[0], S
+
+    def output(self, x: torch.Tensor, o: torch.Tensor, fused: bool) -> torch.Tensor:
+        """y = W_o[sigmoid(W_gb W_ga x) * RMSNorm_head(o)]: x [T, D], o [T, H, V] -> [T, D]."""
+        T = x.shape[0]
+        H, K = self.num_heads, self.head_dim
         zg = self.g_b_proj(self.g_a_proj(x))
         if fused and o.dtype == torch.float32:  # head norm and output gate: one kernel each way
             o = _KdaOutput.apply(o.contiguous(), zg.contiguous(), self.o_norm.weight, self.o_norm.eps)
         else:
             o = (torch.sigmoid(zg).view(T, H, K) * self.o_norm(o.to(x.dtype))).reshape(T, H * K)
-        return self.o_proj(o), KDALayerState(S, conv_state)
+        return self.o_proj(o)
 
     def forward_fused(
         self, x: torch.Tensor, lens: list[int], state: KDALayerState | None

@@ -211,7 +211,9 @@ class LearnerSection(_Section):
     activation_checkpointing: bool = False  # per decoder layer: recompute activations in the backward
     # a micro-batch longer than this runs in windows of this many tokens carrying KDA/MLA state; 0 = off
     sequence_chunk_tokens: int = Field(0, ge=0)
-    num_ranks: int = Field(1, ge=1)  # data-parallel learner ranks (LearnerGroup)
+    num_ranks: int = Field(1, ge=1)  # learner ranks (LearnerGroup): context_parallel x data-parallel groups
+    # ranks one micro-batch is split across, in contiguous shards (model/context_parallel.py); 1 = off
+    context_parallel: int = Field(1, ge=1)
     seed: int = 0  # model init and minibatch order
 
     @field_validator("betas")
@@ -384,6 +386,7 @@ def _budget_problems(c: RunConfig) -> list[str]:
             "learner.turn_credit applies to grpo/rloo; with advantage=gae per-turn rewards already land on "
             "their turn's tokens. Set learner.turn_credit=false"
         )
+    out += _context_parallel_problems(lr)
     if lr.critic_preset is not None:
         if lr.advantage != "gae" or lr.value_model != "critic":
             out.append(
@@ -392,6 +395,35 @@ def _budget_problems(c: RunConfig) -> list[str]:
             )
         else:
             out += _critic_preset_problems(lr.critic_preset)
+    return out
+
+
+def _context_parallel_problems(lr: LearnerSection) -> list[str]:
+    R = lr.context_parallel
+    if R == 1:
+        return []
+    out = []
+    if lr.num_ranks % R:
+        out.append(
+            f"learner.num_ranks ({lr.num_ranks}) must be a multiple of learner.context_parallel ({R}): the "
+            f"ranks form num_ranks / context_parallel data-parallel groups of {R}; e.g. learner.num_ranks={R}"
+        )
+    if lr.sequence_chunk_tokens:
+        out.append(
+            "learner.sequence_chunk_tokens and learner.context_parallel > 1 do not combine yet (a rank runs "
+            "its shard unchunked); set one of them (sequence_chunk_tokens=0 or context_parallel=1)"
+        )
+    if lr.activation_checkpointing:
+        out.append(
+            "learner.activation_checkpointing is not applied inside a context-parallel shard (recomputing "
+            "the exchanges in the backward is not supported); set learner.activation_checkpointing=false "
+            "or learner.context_parallel=1"
+        )
+    if lr.advantage == "gae" and lr.value_model == "critic":
+        out.append(
+            "learner.context_parallel does not split a separate critic's trunk; use learner.value_model=head "
+            "or learner.context_parallel=1"
+        )
     return out
 
 

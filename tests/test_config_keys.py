@@ -497,6 +497,7 @@ RUN_ONLY: dict[str, str] = {
     "orchestrator.keep_checkpoints": "tests/test_train_unit.py (checkpoints are pruned)",
     "orchestrator.resume": "tests/test_train_ray.py (kill -9 of the driver, then resume)",
     "orchestrator.eval_every": "tests/test_train_ray.py (eval_every runs held-out eval)",
+    "learner.context_parallel": "tests/test_learner_group.py (a context-parallel group equals one rank)",
 }
 
 

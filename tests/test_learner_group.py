@@ -41,3 +41,37 @@ def test_two_ranks_equal_one_rank_on_the_same_global_batch(ray_session):
         for key in ("loss", "grad_norm", "tokens", "learner/tokens_scored", "learner/entropy"):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key
         assert y["moe/load_cv_mean"] == pytest.approx(x["moe/load_cv_mean"], rel=1e-6)
+
+
+@pytest.mark.ray
+def test_context_parallel_group_equals_one_rank(ray_session):
+    """learner.context_parallel=2: both ranks split every micro-batch (one long trajectory across the shard
+    boundary, short ones packed with it) and the step equals one rank's (weights, balancer bias, metrics).
+    (No KL term here: at the first step the policy equals the reference, the KL gradient of some embedding
+    rows is rounding noise, and AdamW turns noise of either sign into +-lr.)"""
+    from rl.learner.group import LearnerGroup
+    from tests.test_sequence_chunks import _long_and_short_batch
+
+    cfg = small_config(num_ranks=2, context_parallel=2, num_minibatches=2, micro_batch_tokens=2048, lr=1e-3)
+    batches = [_long_and_short_batch(600), ragged_batch(seed=12, n_groups=1, group_size=3)]
+    single = Learner(cfg.model_copy(update={"learner": cfg.learner.model_copy(
+        update={"num_ranks": 1, "context_parallel": 1})}))
+    group = LearnerGroup(cfg, torch_threads=1)
+    try:
+        group_init = group.state_dict()
+        m1 = [single.step(b) for b in batches]
+        m2 = [group.step(b) for b in batches]
+        sd1, sd2 = single.policy.state_dict(), group.state_dict()
+    finally:
+        group.shutdown()
+    a = torch.cat([sd1[k].reshape(-1).float() for k in sd1])
+    b = torch.cat([sd2[k].reshape(-1).float() for k in sd1])
+    init = torch.cat([v.reshape(-1).float() for v in group_init.values()])
+    assert float((a - init).norm()) > 0
+    assert float((b - a).norm() / (a - init).norm()) <= REL
+    for k in sd1:
+        if k.endswith("e_score_correction_bias"):  # each rank's routers saw only their shard's tokens
+            assert torch.allclose(sd1[k], sd2[k], atol=1e-6), k
+    for x, y in zip(m1, m2):
+        for key in ("loss", "grad_norm", "tokens", "learner/tokens_scored", "learner/entropy"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key

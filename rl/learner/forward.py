@@ -20,13 +20,16 @@ gradients, memory bounded (docs/long_context.md).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from model.context_parallel import context_parallel_forward, gather_shards, shard_bounds
 from model.modeling import OdysseyForCausalLM
 from model.sequence_chunks import chunked_forward
 from rl.learner.packing import MicroBatch
@@ -81,11 +84,15 @@ class TrainModule(nn.Module):
     """The trained parameters: `policy` (OdysseyForCausalLM) and `value` (ValueHead | Critic | None)."""
 
     def __init__(self, policy: OdysseyForCausalLM, value: ValueHead | Critic | None = None,
-                 sequence_chunk_tokens: int = 0) -> None:
+                 sequence_chunk_tokens: int = 0, context_parallel_group=None) -> None:
         super().__init__()
         self.policy = policy
         self.value = value
         self.sequence_chunk_tokens = sequence_chunk_tokens
+        self.context_parallel_group = context_parallel_group  # a torch.distributed group of > 1 ranks | None
+        if context_parallel_group is not None and isinstance(value, Critic):
+            raise ValueError("learner.context_parallel does not split a separate critic's trunk; use "
+                             "learner.value_model=head, or context_parallel=1")
         if sequence_chunk_tokens and isinstance(value, Critic):
             raise ValueError("learner.sequence_chunk_tokens does not chunk a separate critic's trunk; use "
                              "learner.value_model=head with sequence chunking, or sequence_chunk_tokens=0")
@@ -113,6 +120,8 @@ class TrainModule(nn.Module):
         ids, cu = mb.input_ids.to(dev), mb.cu_seqlens.to(dev)
         rep = mb.replay.to(dev) if replay else None  # shape and range checked per trajectory (batch.py)
         pos = mb.scored_pos.to(dev)
+        if self.context_parallel_group is not None:
+            return self._context_parallel(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
         if self.chunks(mb) > 1:
             return self._chunked(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
         h, _, routed, aux = policy.model(ids, cu, None, rep, return_routed)
@@ -147,6 +156,58 @@ class TrainModule(nn.Module):
         v = torch.cat([o[2] for o in outs])[inverse] if values else None
         return ForwardOut(logp=logp, entropy=entropy, values=v, routed=routed if return_routed else None,
                           aux=None)
+
+    def _context_parallel(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None,
+                          pos: torch.Tensor,
+                          targets: torch.Tensor, return_routed: bool, values: bool) -> ForwardOut:
+        """`forward` on this rank's shard of the micro-batch (model/context_parallel.py); the scored positions
+        of the shard go through the LM head (and value head) here, and every shard's results are gathered, so
+        every rank of the group returns the whole micro-batch's ForwardOut (the loss is then computed whole
+        on every rank; the backward hands each rank its shard's gradient)."""
+        group = self.context_parallel_group
+        policy = self.policy
+        R = dist.get_world_size(group)
+        if ids.shape[0] < R:  # too short to split (the idle rank's one token): every rank runs it whole and
+            out = self._whole(ids, cu, rep, pos, targets, return_routed, values)  # gives 1/R of the grad
+            return ForwardOut(*(None if t is None else _ScaleGrad.apply(t, 1.0 / R) if t.is_floating_point()
+                                else t for t in dataclasses.astuple(out)))
+        h, shard, routed = context_parallel_forward(policy.model, ids, cu, rep, group, return_routed)
+        bounds = torch.tensor(shard_bounds(ids.shape[0], R), device=pos.device)
+        owner = torch.bucketize(pos, bounds[1:], right=True)  # shard of each scored position
+        mine = (owner == dist.get_rank(group)).nonzero().squeeze(-1)
+        hs = h[pos[mine] - shard.start]
+        logp, entropy = head_logprobs(hs, targets[mine], policy.lm_head.weight)
+        cols = [logp, entropy] + ([self.value(hs).float()] if values else [])
+        counts = torch.bincount(owner, minlength=R).tolist()
+        gathered = torch.cat(gather_shards(torch.stack(cols, -1), counts, group))  # [M, 2|3], shard order
+        order = torch.argsort(owner, stable=True)  # the scored positions in shard order
+        full = torch.empty_like(gathered).index_copy(0, order, gathered)  # back to mb order, differentiably
+        routed_all = None
+        if return_routed and routed is not None:
+            with torch.no_grad():
+                routed_all = torch.cat(gather_shards(routed, [int(b - a) for a, b in
+                                                              zip(bounds[:-1], bounds[1:])], group))
+        return ForwardOut(logp=full[:, 0], entropy=full[:, 1], values=full[:, 2] if values else None,
+                          routed=routed_all, aux=None)
+
+    def _whole(self, ids, cu, rep, pos, targets, return_routed, values) -> ForwardOut:
+        h, _, routed, aux = self.policy.model(ids, cu, None, rep, return_routed)
+        hs = h[pos]
+        logp, entropy = head_logprobs(hs, targets, self.policy.lm_head.weight)
+        return ForwardOut(logp, entropy, self.value(hs) if values else None, routed, aux)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward scales the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 __all__ = ["ForwardOut", "TrainModule", "head_logprobs", "HEAD_CHUNK_ELEMENTS"]

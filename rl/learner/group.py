@@ -15,6 +15,10 @@ count. Each rank gets only its own samples and runs `Learner.update`: gradients 
 per optimizer step (the loss normalisers are global, so the result is the single-rank update on the whole
 batch), the MoE balancer's statistics and the expert-load counts are all-reduced, and the metrics are
 summed over ranks. Rank 0's metrics are returned.
+
+Context parallelism (learner.context_parallel = R > 1): ranks r // R form a group that splits each of its
+micro-batches into R contiguous shards (model/context_parallel.py); the groups are the data-parallel units,
+so the plan has num_ranks / R shares and every rank of a group gets its group's.
 """
 
 from __future__ import annotations
@@ -110,11 +114,14 @@ class LearnerGroup:
 
         lc = self.cfg.learner
         batch = prepare_batch(trajectories, self.facts, lc)
-        plans = plan_step(batch.samples, lc.num_minibatches, self.world_size, lc.seed + self.policy_steps)
+        R = lc.context_parallel  # the ranks of a context-parallel group share one plan
+        plans = plan_step(batch.samples, lc.num_minibatches, self.world_size // R,
+                          lc.seed + self.policy_steps)
         by_index = {s.index: s for s in batch.samples}
         refs = [
-            rank.update.remote([by_index[i] for i in plan.sample_indices()], plan, batch.metrics)
-            for rank, plan in zip(self.ranks, plans)
+            rank.update.remote([by_index[i] for i in plans[r // R].sample_indices()], plans[r // R],
+                               batch.metrics)
+            for r, rank in enumerate(self.ranks)
         ]
         metrics = ray.get(refs)[0]
         self.policy_steps += 1

@@ -103,6 +103,15 @@ class StepStats:
     def __post_init__(self) -> None:
         self.agree = torch.zeros(self.n_moe, dtype=torch.float64)
 
+    def keep_shard_counts_only(self, replay: bool) -> None:
+        """On a context-parallel rank other than the group's first: zero what every rank of the group holds
+        in full (the loss, its parts and token counts are computed on the gathered micro-batch), keeping the
+        R3 agreement counts, which each rank's routers made on its own shard (replay on)."""
+        self.sums = dict.fromkeys(self.sums, 0.0)
+        if not replay:
+            self.agree.zero_()
+            self.agree_tokens = 0.0
+
     def all_reduce(self, device: torch.device) -> None:
         """Sum (ratio_max: max) over the ranks of the default process group, in place."""
         keys = sorted(self.sums)
@@ -162,14 +171,16 @@ class Learner:
             value = build_value_model(lc.value_model, self.policy, lc.critic_preset, lc.seed).to(self.device)
             if lc.activation_checkpointing and isinstance(value, Critic):
                 value.trunk.gradient_checkpointing_enable()
-        self.module = TrainModule(self.policy, value, lc.sequence_chunk_tokens).train()
+        self.cp_group, self.cp_rank = self._context_parallel_group(lc.context_parallel)
+        self.module = TrainModule(self.policy, value, lc.sequence_chunk_tokens, self.cp_group).train()
         if lc.sequence_chunk_tokens:  # long sequences: freed window activations go back to the OS
             fix_mmap_threshold()
         self.reference = None
         if lc.kl_coef > 0:
             ref = build_policy(cfg).to(self.device).eval()
             ref.requires_grad_(False)
-            self.reference = TrainModule(ref, sequence_chunk_tokens=lc.sequence_chunk_tokens)
+            self.reference = TrainModule(ref, sequence_chunk_tokens=lc.sequence_chunk_tokens,
+                                         context_parallel_group=self.cp_group)
         self.ddp = self.module
         if self.distributed:
             with warnings.catch_warnings():  # torch deprecates broadcast_buffers; its replacement is not
@@ -192,6 +203,22 @@ class Learner:
         self.replay = lc.routing_replay and self.facts.n_moe_layers > 0  # R3 (a dense model has no routing)
         self.policy_steps = 0  # completed step() / update() calls
         self.optimizer_steps = 0
+
+    def _context_parallel_group(self, R: int) -> tuple[Any, int]:
+        """(this rank's context-parallel process group | None, its rank in it). Ranks r // R share a group
+        (every rank creates every group, as torch.distributed requires)."""
+        if R == 1:
+            return None, 0
+        if not self.distributed:
+            raise ValueError(
+                f"learner.context_parallel={R} splits each micro-batch across {R} ranks: run the learner as "
+                f"rl.learner.group.LearnerGroup(cfg) with learner.num_ranks a multiple of {R}"
+            )
+        if self.world_size % R:
+            raise ValueError(f"learner.num_ranks ({self.world_size}) must be a multiple of "
+                             f"learner.context_parallel ({R})")
+        groups = [dist.new_group(list(range(g * R, (g + 1) * R))) for g in range(self.world_size // R)]
+        return groups[self.rank // R], self.rank % R
 
     # ------------------------------------------------------------------------------------------ public API
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -311,6 +338,8 @@ class Learner:
         stats.agree_tokens += replayed[0]
         self.policy_steps += 1
         stats.sums["tokens"] = float(sum(s.n_tokens for s in samples))
+        if self.cp_rank:  # every rank of a context-parallel group computed the same loss and counts
+            stats.keep_shard_counts_only(replay=self.replay)
         if self.distributed:
             stats.all_reduce(self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
         sums = stats.sums

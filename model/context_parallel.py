@@ -1,0 +1,295 @@
+r"""Context parallelism: one packed token stream cut into R contiguous shards, one per rank; each rank runs
+only its shard through `OdysseyModel`, layer by layer, and exchanges what crosses the shard boundaries.
+
+    shards = plan_shards(seq_lens, R)                                    # the same plan on every rank
+    h, routed = context_parallel_forward(model, input_ids, cu_seqlens, replay, group)   # h: this rank's shard
+
+Every rank holds the whole micro-batch (token ids are small) and runs tokens [b_r, b_{r+1}), b_r = r L // R.
+A sequence that crosses a boundary continues on the next rank, as it continues into the next window under
+sequence chunking (model/sequence_chunks.py), except that the shards run at the same time, so no state can
+be handed on serially. Per layer:
+
+    KDA   conv:  every rank all-gathers the last W-1 short-conv inputs of its last piece [W-1, 3HK]; a
+                 continuing first piece reads its conv state from the ranks before it (walking back while
+                 the sequence continues through them), zeros before the sequence's start.
+          state: recurrence (1) of docs/kda.md is affine in the state (model/kda_compose.py). Every rank
+                 summarises its last piece from S = 0, (M_r, S_local_r) = shard_summary(k, v, g, beta)
+                 [H, K, K], [H, K, V], all-gathers the summaries and composes them (exclusive scan):
+                     S_end(j) = M_j S_end(j-1) + S_local_j   if shard j holds only the continuing sequence
+                              = S_local_j                    if the sequence starts on shard j,
+                     S_in(r)  = S_end(r-1);
+                 then runs its pieces, the first from S_in(r). Ranks wait for [K, K + V] summaries, never
+                 for each other's recurrence.
+    MLA   every rank all-gathers the compressed latents c [L_r, R] of its shard; a continuing first piece
+          attends over its sequence's latents on the earlier ranks, then its own (causal offset = their
+          count; naive form, K and V decompressed from the latents).
+    AttnRes, norms, FFN / MoE (replayed experts sliced to the shard), the LM head: per token, nothing to
+          exchange.
+
+Gradients. The exchanges are all-gathers (`_GatherSum`) whose backward all-reduces (sums) the gradients
+that every rank computed for each gathered piece and keeps its own. Each rank's parameter gradient is then
+its shard's share; summed over ranks (the learner's DDP all-reduce) it equals the single-rank gradient. A
+rank's graph depends on its shard (a first shard reads no conv tail, a last one hands on no state), so the
+order in which autograd would reach the gathers differs between ranks, and a collective run out of order
+deadlocks or mixes up buffers. `Exchange` chains them: each gather's input is tied to the previous gather's
+output by a zero-weighted term, and the hidden states to the last one, so every rank runs every gather's
+backward, last to first. `gather_shards` collects per-token results (log-probs, entropy, values) of all
+shards on every rank, so the loss is computed whole and identically on every rank; its backward hands each
+rank the gradient of its own shard only (no sum: every rank already holds the whole loss).
+
+Collectives run on `group`, a process group of the R ranks of one trajectory (the learner makes one per
+context-parallel group, apart from the DDP group, so the two never interleave). Exactness against one rank,
+values and gradients, R3 on: tests/test_context_parallel.py. Limits: no activation checkpointing inside the
+shard (a shard's memory is that of an unchunked forward of L/R tokens), no MoE auxiliary loss (a statistic
+of the whole batch); docs/long_context.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from model.attn_res import AttnResStream
+from model.kda import kda_sequence
+from model.kda_compose import shard_summary
+from model.sequence_chunks import Window
+
+
+# ------------------------------------------------------------------------------------------------ plan
+def shard_bounds(total: int, ranks: int) -> list[int]:
+    """[b_0 = 0, ..., b_R = total], b_r = r * total // R: R contiguous shards of near-equal size."""
+    if ranks < 1:
+        raise ValueError(f"context parallelism needs >= 1 rank, got {ranks}")
+    return [r * total // ranks for r in range(ranks + 1)]
+
+
+def plan_shards(seq_lens: Sequence[int], ranks: int) -> list[Window]:
+    """The R shards of sequences of seq_lens (packed in order) as `Window`s (start, end, pieces, carry in /
+    out). Raises ValueError when a shard would be empty (fewer tokens than ranks)."""
+    total = sum(int(n) for n in seq_lens)
+    if total < ranks:
+        raise ValueError(f"context parallelism over {ranks} ranks needs >= {ranks} tokens, got {total}")
+    bounds, pos = [], 0
+    for n in seq_lens:
+        if n > 0:
+            bounds.append((pos, pos + int(n)))
+        pos += int(n)
+    shards, cuts = [], shard_bounds(total, ranks)
+    for s, e in zip(cuts[:-1], cuts[1:]):
+        pieces = [(max(s, a), min(e, b)) for a, b in bounds if a < e and b > s]
+        shards.append(Window(s, e, tuple(b - a for a, b in pieces),
+                             carry_in=next(a for a, b in bounds if b > s) < s,
+                             carry_out=next(b for a, b in bounds if b >= e) > e))
+    return shards
+
+
+def sequence_start(seq_lens: Sequence[int], position: int) -> int:
+    """Packed position where the sequence holding token `position` starts."""
+    pos = 0
+    for n in seq_lens:
+        if pos <= position < pos + int(n):
+            return pos
+        pos += int(n)
+    raise ValueError(f"position {position} is outside the packed stream of {pos} tokens")
+
+
+# ----------------------------------------------------------------------------------------- collectives
+class _GatherSum(torch.autograd.Function):
+    """All-gather of equal-shape tensors -> [R, ...]; backward: the all-reduced (summed) gradient of this
+    rank's piece."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+class _GatherOwn(torch.autograd.Function):
+    """All-gather of equal-shape tensors -> [R, ...]; backward: this rank's slice of the gradient as it is
+    (every rank holds the same downstream computation, so nothing to sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.rank = dist.get_rank(group)
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.rank], None
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])]) if x.shape[0] < rows else x
+
+
+def gather_shards(x: torch.Tensor, counts: Sequence[int], group) -> list[torch.Tensor]:
+    """Per-token results of every shard on every rank: x [counts[rank], ...] -> [x_0, ..., x_{R-1}] (padded
+    to max(counts) for the collective). Backward (`_GatherOwn`): this rank's slice of the gradient, for a
+    computation downstream that is the same on every rank (the loss)."""
+    g = _GatherOwn.apply(_pad_rows(x, max(counts)), group)
+    return [g[r, :n] for r, n in enumerate(counts)]
+
+
+def _tie(x: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    """x + 0 * sum(gathered): makes x depend on `gathered` for autograd, without changing its value."""
+    return x + 0.0 * gathered.sum().to(x.dtype)
+
+
+class Exchange:
+    """The all-gathers (`_GatherSum`) of one context-parallel forward, chained: each gather's input is tied
+    to the previous gather's output, and the forward's result to the last one. So every rank runs every
+    gather's backward (all-reduce), and in the same order, the reverse of the forward's, whatever else its
+    shard's graph looks like (module docstring)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.rank, self.ranks = dist.get_rank(group), dist.get_world_size(group)
+        self.last: torch.Tensor | None = None
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """All-gather x (same shape on every rank) -> [R, *x.shape]."""
+        if self.last is not None:
+            x = _tie(x, self.last)
+        self.last = _GatherSum.apply(x, self.group)
+        return self.last
+
+    def gather_rows(self, x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+        """All-gather row blocks x [counts[rank], ...] -> [x_0, ..., x_{R-1}]."""
+        g = self.gather(_pad_rows(x, max(counts)))
+        return [g[r, :n] for r, n in enumerate(counts)]
+
+    def tie(self, x: torch.Tensor) -> torch.Tensor:
+        """x, depending on the last gather (the end of the chain)."""
+        return x if self.last is None else _tie(x, self.last)
+
+
+# ------------------------------------------------------------------------------------------ the mixers
+def _kda_mix(mixer, x: torch.Tensor, cu: torch.Tensor, shards: list[Window], ex: Exchange) -> torch.Tensor:
+    """KDAttention on this rank's shard (module docstring, KDA): normed x [c, D] -> [c, D]."""
+    rank = ex.rank
+    me = shards[rank]
+    W, C = mixer.conv_size, 3 * mixer.num_heads * mixer.head_dim
+    mixed = mixer.project_qkv(x)  # [c, 3HK], the short conv's input
+    last = me.lens[-1]
+    tail = mixed[mixed.shape[0] - min(last, W - 1):]
+    tails = ex.gather(_pad_rows(tail, W - 1) if W > 1 else mixed.new_zeros(0, C))  # [R, W-1, C]
+    conv_state = None
+    if me.carry_in and W > 1:  # the last W-1 inputs before this shard, of the continuing sequence
+        rows, j = [], rank - 1
+        while j >= 0 and sum(r.shape[0] for r in rows) < W - 1:
+            n = min(shards[j].lens[-1], W - 1)
+            rows.insert(0, tails[j, :n])
+            if not (shards[j].carry_in and len(shards[j].lens) == 1):
+                break
+            j -= 1
+        prev = torch.cat(rows)[-(W - 1):]
+        conv_state = _pad_rows(prev.flip(0), W - 1).flip(0).t()[None]  # [1, C, W-1], zeros first
+        if len(me.lens) > 1:
+            conv_state = torch.cat([conv_state, conv_state.new_zeros(len(me.lens) - 1, C, W - 1)])
+    q, k, v, g, beta, _, fused = mixer.features(x, mixed, cu, conv_state)
+    n0 = x.shape[0] - last  # the last piece: rows [n0, c)
+    if me.carry_out:
+        M, S_local = (t[0] for t in shard_summary(k[None, n0:], v[None, n0:], g[None, n0:], beta[None, n0:],
+                                                  kda_sequence))
+    else:  # nothing continues on the next rank: a placeholder of the same shape for the collective
+        H, K = mixer.num_heads, mixer.head_dim
+        M, S_local = k.new_zeros(H, K, K, dtype=torch.float32), k.new_zeros(H, K, K, dtype=torch.float32)
+    Ms = ex.gather(M)  # [R, H, K, K]
+    Ss = ex.gather(S_local)  # [R, H, K, V]
+    initial = None
+    if me.carry_in:
+        j = rank - 1  # shards j < rank that the sequence spans, nearest first
+        while shards[j].carry_in and len(shards[j].lens) == 1:
+            j -= 1
+        S = Ss[j]
+        for i in range(j + 1, rank):
+            S = Ms[i] @ S + Ss[i]
+        initial = torch.cat([S[None], S.new_zeros(len(me.lens) - 1, *S.shape)])
+    o, _ = mixer.recurrence(q, k, v, g, beta, cu, initial)
+    return mixer.output(x, o, fused)
+
+
+def _mla_mix(mixer, x: torch.Tensor, shards: list[Window], seq_lens: list[int], ex: Exchange) -> torch.Tensor:
+    """GatedMLA on this rank's shard (module docstring, MLA): normed x [c, D] -> [c, D]."""
+    rank = ex.rank
+    me = shards[rank]
+    T = x.shape[0]
+    q, c = mixer.project_q(x), mixer.compress_kv(x)
+    latents = ex.gather_rows(c, [s.end - s.start for s in shards])
+    own = latents[rank]  # == c, through the gather
+    if not me.carry_in:
+        o = mixer.attend_fresh(q, own, list(me.lens), False)
+    else:
+        first = sequence_start(seq_lens, me.start)  # the continuing sequence's first token
+        earlier = [latents[j][max(first - s.start, 0):] for j, s in enumerate(shards[:rank]) if s.end > first]
+        n0 = me.lens[0]
+        keys = torch.cat([*earlier, own[:n0]])
+        o = mixer.attend_naive(q[:n0], keys, keys.shape[0] - n0)
+        if len(me.lens) > 1:
+            o = torch.cat([o, mixer.attend_fresh(q[n0:], own[n0:], list(me.lens[1:]), False)])
+    return mixer.gated_output(x, o.reshape(T, -1))
+
+
+# ------------------------------------------------------------------------------------------- the model
+def context_parallel_forward(
+    model,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    replay_experts: torch.Tensor | None,
+    group,
+    return_routed: bool = False,
+) -> tuple[torch.Tensor, Window, torch.Tensor | None]:
+    """`OdysseyModel` (model = OdysseyForCausalLM.model) on this rank's shard of the packed micro-batch
+    input_ids [L] (cu_seqlens int [N+1], replay_experts [L, n_moe, k] | None: the whole batch, the same on
+    every rank of `group`). Collective: every rank of `group` calls it with the same batch.
+
+    Returns (hidden states of the shard [c, D], the shard (Window: tokens [start, end) of the batch),
+    routed experts of the shard [c, n_moe, k] | None)."""
+    cfg = model.config
+    if getattr(cfg, "balancing", None) == "aux_loss" and cfg.n_routed_experts > 0:
+        raise ValueError("context parallelism cannot compute the MoE auxiliary balancing loss (a statistic "
+                         "of "
+                         "the whole batch, not of one shard); use model balancing 'quantile' (the default)")
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    seq_lens = [int(n) for n in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()]
+    shards = plan_shards(seq_lens, R)
+    me = shards[rank]
+    ids = input_ids[me.start:me.end]
+    cu = torch.tensor([0, *torch.tensor(me.lens).cumsum(0).tolist()], dtype=torch.int32, device=ids.device)
+    ex = Exchange(group)
+    stream = AttnResStream([model.embed_tokens(ids)])
+    routed, j = [], 0
+    for layer in model.layers:
+        rep = None
+        if layer.is_moe and replay_experts is not None:
+            rep = replay_experts[me.start:me.end, j]
+        j += layer.is_moe
+        x = layer.attn_res.read_attn(stream, layer.attn_norm)
+        if layer.layer_type == "kda":
+            a = _kda_mix(layer.mixer, x, cu, shards, ex)
+        else:
+            a = _mla_mix(layer.mixer, x, shards, seq_lens, ex)
+        stream.add(a)
+        f, topk = layer.ffn_normed(layer.attn_res.read_ffn(stream, layer.ffn_norm), rep)
+        stream.add(f)
+        layer.attn_res.end_layer(stream)
+        if layer.is_moe:
+            routed.append(topk)
+    h = ex.tie(model.final_read.read(stream, model.norm))
+    return h, me, torch.stack(routed, dim=1) if routed and return_routed else None
+
+
+__all__ = ["shard_bounds", "plan_shards", "sequence_start", "gather_shards", "Exchange",
+           "context_parallel_forward"]
