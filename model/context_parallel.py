@@ -2,7 +2,7 @@ r"""Context parallelism: one packed token stream cut into R contiguous shards, o
 only its shard through `OdysseyModel`, layer by layer, and exchanges what crosses the shard boundaries.
 
     shards = plan_shards(seq_lens, R)                                    # the same plan on every rank
-    h, routed = context_parallel_forward(model, input_ids, cu_seqlens, replay, group)   # h: this rank's shard
+    h, shard, routed = context_parallel_forward(model, input_ids, cu_seqlens, replay, group)   # h: [c, D]
 
 Every rank holds the whole micro-batch (token ids are small) and runs tokens [b_r, b_{r+1}), b_r = r L // R.
 A sequence that crosses a boundary continues on the next rank, as it continues into the next window under

@@ -20,7 +20,9 @@ Kernels: every attention call is a 4-D `scaled_dot_product_attention` [B, H, t, 
 flash kernel forward and backward (3-D inputs fall back to the math kernel, which builds the [t, L] score
 matrix: 8x slower at 4K). Without a cache, consecutive sequences of equal length run as one batch with
 `is_causal` (flash never builds a score matrix). With a cached prefix the causal mask is explicit and the
-queries go in chunks whose [H, C, L] mask stays under `_SCORE_BUDGET` elements. A decode step (one new
+queries go in chunks whose [H, C, L] mask stays under `_SCORE_BUDGET` elements; with gradients (sequence
+chunking, context parallelism) through `_ChunkedPrefixAttention`, whose backward recomputes one chunk at a
+time, so the masks of all chunks (t * L elements) are never alive together. A decode step (one new
 token per sequence, absorbed) is ONE masked call over the padded latent buffer of `MLALatentCache`.
 
 Cache: `MLALatentCache`, the N sequences' latents in one padded buffer [N, capacity, R] that a decode step
@@ -45,12 +47,58 @@ from model.short_conv import seq_lens_from_cu
 _SCORE_BUDGET = 1 << 25  # max elements of one chunk's [H, C, L] attention mask (with a cached prefix)
 
 
+def _prefix_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, s: int, scale: float
+                  ) -> torch.Tensor:
+    """Queries s.. of a chunk q [1, H, C, dk] at absolute positions prefix + s + i over keys k, v
+    [1, H, prefix + s + C, d] (lower-right causal mask) -> [1, H, C, dv]."""
+    C, kv_len = q.shape[2], k.shape[2]
+    qpos = prefix + s + torch.arange(C, device=q.device)
+    mask = torch.arange(kv_len, device=q.device)[None, :] <= qpos[:, None]  # [C, kv_len], True = attend
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class _ChunkedPrefixAttention(torch.autograd.Function):
+    """`causal_attention` with a prefix, query chunk by query chunk, with a backward that recomputes each
+    chunk. Autograd through the chunked forward would keep every chunk's [C, kv_len] mask (and what SDPA
+    saves with it) until the backward, t * L elements in all; this keeps q, k, v and the output only, so the
+    memory of the backward is one chunk's, whatever t. Same math (the backward is each chunk's autograd)."""
+
+    @staticmethod
+    def forward(ctx, qh, kh, vh, prefix: int, scale: float, chunk: int):
+        ctx.save_for_backward(qh, kh, vh)
+        ctx.prefix, ctx.scale, ctx.chunk = prefix, scale, chunk
+        t = qh.shape[2]
+        return torch.cat([_prefix_chunk(qh[:, :, s:min(t, s + chunk)], kh[:, :, :prefix + min(t, s + chunk)],
+                                        vh[:, :, :prefix + min(t, s + chunk)], prefix, s, scale)
+                          for s in range(0, t, chunk)], dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        qh, kh, vh = ctx.saved_tensors
+        prefix, chunk, t = ctx.prefix, ctx.chunk, qh.shape[2]
+        dq, dk, dv = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
+        for s in range(0, t, chunk):
+            e = min(t, s + chunk)
+            with torch.enable_grad():
+                q_c = qh[:, :, s:e].detach().requires_grad_()
+                k_c = kh[:, :, :prefix + e].detach().requires_grad_()
+                v_c = vh[:, :, :prefix + e].detach().requires_grad_()
+                o = _prefix_chunk(q_c, k_c, v_c, prefix, s, ctx.scale)
+                gq, gk, gv = torch.autograd.grad(o, (q_c, k_c, v_c), grad[:, :, s:e])
+            dq[:, :, s:e] = gq
+            dk[:, :, :prefix + e] += gk
+            dv[:, :, :prefix + e] += gv
+        return dq, dk, dv, None, None, None
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float,
                      score_budget: int = _SCORE_BUDGET) -> torch.Tensor:
     """Causal attention of t new queries over prefix + t keys of ONE sequence.
 
     q [t, H, dk], k [L, Hk, dk], v [L, Hk, dv] with L = prefix + t and Hk in {1, H} (1 = MQA).
     Query i (absolute position prefix + i) attends keys 0 .. prefix + i.  Returns [t, H, dv].
+    With a prefix, the queries go in chunks of C (C * L <= score_budget / H) under an explicit mask;
+    with gradients, through `_ChunkedPrefixAttention` (the backward recomputes one chunk at a time).
     """
     t, H, _ = q.shape
     L = k.shape[0]
@@ -64,15 +112,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: 
     if prefix == 0:
         return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
     chunk = max(1, min(t, score_budget // max(1, H * L)))
-    outs = []
-    for s in range(0, t, chunk):
-        e = min(t, s + chunk)
-        kv_len = prefix + e
-        qpos = prefix + torch.arange(s, e, device=q.device)
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= qpos[:, None]  # [C, kv_len], True = attend
-        outs.append(F.scaled_dot_product_attention(qh[:, :, s:e], kh[:, :, :kv_len], vh[:, :, :kv_len],
-                                                   attn_mask=mask, scale=scale))
-    return torch.cat(outs, dim=2)[0].transpose(0, 1)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _ChunkedPrefixAttention.apply(qh, kh, vh, prefix, scale, chunk)[0].transpose(0, 1)
+    return torch.cat([_prefix_chunk(qh[:, :, s:min(t, s + chunk)], kh[:, :, :prefix + min(t, s + chunk)],
+                                    vh[:, :, :prefix + min(t, s + chunk)], prefix, s, scale)
+                      for s in range(0, t, chunk)], dim=2)[0].transpose(0, 1)
 
 
 def latent_decode_attention(q_lat: torch.Tensor, latents: torch.Tensor, lens: torch.Tensor,
