@@ -359,6 +359,8 @@ def main() -> int:
         "one_million_on_device": "not run: no accelerator was lent to this task; the fit stands in",
         "wall_s": round(wall + time.perf_counter() - t0, 1),
     }
+    if args.out.is_file() and "context_parallel" in (old := json.loads(args.out.read_text())):
+        result["context_parallel"] = old["context_parallel"]  # its own mode (--context-parallel) refreshes it
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     if fit is not None:
