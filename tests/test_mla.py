@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.config import OdysseyConfig
 from model import mla
+from model.config import OdysseyConfig
 from model.mla import GatedMLA, MLALatentCache, causal_attention
 
 
