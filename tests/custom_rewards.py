@@ -48,6 +48,13 @@ def even_tokens(traj: Trajectory) -> float:
     return float((gen % 2 == 0).mean()) if gen.size else 0.0
 
 
+def even_tokens_distinct(traj: Trajectory) -> float:
+    """`even_tokens` + 1e-3 x the sample's index in its group: the samples of a group never tie (even
+    fractions of <= 8 tokens differ by >= 0.125 or not at all), so no group is dropped for equal rewards
+    and a step trains every episode whatever the sampled tokens (tests/test_train_observability.py)."""
+    return even_tokens(traj) + 1e-3 * int(traj.metadata.get("sample_index", 0))
+
+
 # ---- TRL's signature and async rewards (tests/test_reward_forms.py, tests/test_judge_rollout.py) ------
 
 TRL_CALLS: list[int] = []  # batch sizes of trl_numeric calls

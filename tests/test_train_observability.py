@@ -29,6 +29,10 @@ STAGES = (
 )
 
 
+# groups never tie, so every step trains all its episodes (the expert-load test counts them all)
+DISTINCT_REWARDS = "rewards=[{name: 'tests.custom_rewards:even_tokens_distinct'}]"
+
+
 def _trainer(run_dir: Path, steps: int):
     from rich.console import Console
 
@@ -38,7 +42,7 @@ def _trainer(run_dir: Path, steps: int):
     cfg = load_config(
         "configs/tiny.yaml",
         [f"logging.run_dir={run_dir}", *TINY, *DETERMINISTIC, f"learner.steps={steps}", STAGES,
-         "logging.sample_rollouts=2"],
+         "logging.sample_rollouts=2", DISTINCT_REWARDS],
     )  # fmt: skip
     out = io.StringIO()
     return Trainer(cfg, config_path="configs/tiny.yaml", console=Console(file=out, width=200)), out
