@@ -54,28 +54,32 @@ FIG = ROOT / "docs" / "img" / "long.png"
 MILLION = 1_048_576
 
 
-def case(tokens: int, chunk: int, checkpointing: int = 1) -> dict:
-    """One learner step on a single `tokens`-token trajectory (chunk 0 = unchunked), in this process."""
+def timed_step(tokens: int, **learner: object) -> dict:
+    """One `Learner.update` on a single `tokens`-token trajectory (30 % prompt; `learner`: section overrides),
+    in this process: seconds, peak RSS, RSS after setup, and the step's metrics."""
     torch.manual_seed(0)
     cfg = RunConfig.model_validate({
-        "learner": {"group_size": 2, "micro_batch_tokens": tokens, "tis_cap": None,
-                    "activation_checkpointing": bool(checkpointing), "sequence_chunk_tokens": chunk},
+        "learner": {"group_size": 2, "micro_batch_tokens": tokens, "tis_cap": None, **learner},
         "rollout": {"max_tokens": tokens + 1, "max_new_tokens": min(512, tokens + 1)},
     })
     rng = np.random.default_rng(0)
     trajs = [trajectory(rng, tokens + 1, moe_shape(cfg), 1.0), trajectory(rng, 2, moe_shape(cfg), 0.0)]
-    learner = Learner(cfg)
-    s = learner.prepare(trajs).samples[0]
+    learner_ = Learner(cfg)
+    s = learner_.prepare(trajs).samples[0]
     plan = plan_step([s], 1, 1, 0)[0]
     rss_setup = peak_rss_gib()
     t0 = time.perf_counter()
-    metrics = learner.update([s], plan)
-    secs = time.perf_counter() - t0
-    return {"tokens": tokens, "chunk_tokens": chunk, "activation_checkpointing": bool(checkpointing),
-            "seconds": round(secs, 2),
-            "peak_rss_gib": round(peak_rss_gib(), 3), "rss_after_setup_gib": round(rss_setup, 3),
-            "windows": metrics["learner/sequence_chunks"], "loss": metrics["loss"],
-            "grad_norm": metrics["grad_norm"]}
+    metrics = learner_.update([s], plan)
+    return {"seconds": round(time.perf_counter() - t0, 2), "peak_rss_gib": round(peak_rss_gib(), 3),
+            "rss_after_setup_gib": round(rss_setup, 3), "metrics": metrics}
+
+
+def case(tokens: int, chunk: int, checkpointing: int = 1) -> dict:
+    """One learner step on a single `tokens`-token trajectory (chunk 0 = unchunked), in this process."""
+    r = timed_step(tokens, activation_checkpointing=bool(checkpointing), sequence_chunk_tokens=chunk)
+    m = r.pop("metrics")
+    return {"tokens": tokens, "chunk_tokens": chunk, "activation_checkpointing": bool(checkpointing), **r,
+            "windows": m["learner/sequence_chunks"], "loss": m["loss"], "grad_norm": m["grad_norm"]}
 
 
 def cp_rank(rank: int, ranks: int, tokens: int, init: str, threads: int, out: str) -> None:
@@ -86,25 +90,10 @@ def cp_rank(rank: int, ranks: int, tokens: int, init: str, threads: int, out: st
     torch.set_num_threads(threads)
     if ranks > 1:
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=ranks)
-    torch.manual_seed(0)
-    cfg = RunConfig.model_validate({
-        "learner": {"group_size": 2, "micro_batch_tokens": tokens, "tis_cap": None, "num_ranks": ranks,
-                    "context_parallel": ranks},
-        "rollout": {"max_tokens": tokens + 1, "max_new_tokens": min(512, tokens + 1)},
-    })
-    rng = np.random.default_rng(0)
-    trajs = [trajectory(rng, tokens + 1, moe_shape(cfg), 1.0), trajectory(rng, 2, moe_shape(cfg), 0.0)]
-    learner = Learner(cfg)
-    s = learner.prepare(trajs).samples[0]
-    plan = plan_step([s], 1, 1, 0)[0]
-    rss_setup = peak_rss_gib()
-    t0 = time.perf_counter()
-    metrics = learner.update([s], plan)
-    secs = time.perf_counter() - t0
-    Path(f"{out}.{rank}").write_text(json.dumps({
-        "rank": rank, "seconds": round(secs, 2), "peak_rss_gib": round(peak_rss_gib(), 3),
-        "rss_after_setup_gib": round(rss_setup, 3), "loss": metrics["loss"],
-        "grad_norm": metrics["grad_norm"]}))
+    r = timed_step(tokens, num_ranks=ranks, context_parallel=ranks)
+    m = r.pop("metrics")
+    Path(f"{out}.{rank}").write_text(json.dumps({"rank": rank, **r, "loss": m["loss"],
+                                                 "grad_norm": m["grad_norm"]}))
     if ranks > 1:
         dist.destroy_process_group()
 

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from model.attn_res import AttnResStream
 from model.kda import kda_sequence
 from model.kda_compose import shard_summary
-from model.sequence_chunks import Window
+from model.sequence_chunks import Window, plan_cuts
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -71,18 +71,7 @@ def plan_shards(seq_lens: Sequence[int], ranks: int) -> list[Window]:
     total = sum(int(n) for n in seq_lens)
     if total < ranks:
         raise ValueError(f"context parallelism over {ranks} ranks needs >= {ranks} tokens, got {total}")
-    bounds, pos = [], 0
-    for n in seq_lens:
-        if n > 0:
-            bounds.append((pos, pos + int(n)))
-        pos += int(n)
-    shards, cuts = [], shard_bounds(total, ranks)
-    for s, e in zip(cuts[:-1], cuts[1:]):
-        pieces = [(max(s, a), min(e, b)) for a, b in bounds if a < e and b > s]
-        shards.append(Window(s, e, tuple(b - a for a, b in pieces),
-                             carry_in=next(a for a, b in bounds if b > s) < s,
-                             carry_out=next(b for a, b in bounds if b >= e) > e))
-    return shards
+    return plan_cuts(seq_lens, shard_bounds(total, ranks))
 
 
 def sequence_start(seq_lens: Sequence[int], position: int) -> int:

@@ -167,11 +167,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: 
     if _use_flash_prefix(q, k, v):
         return _FlashPrefixAttention.apply(qh, kh, vh, prefix, scale)[0].transpose(0, 1)
     chunk = max(1, min(t, score_budget // max(1, H * L)))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _ChunkedPrefixAttention.apply(qh, kh, vh, prefix, scale, chunk)[0].transpose(0, 1)
-    return torch.cat([_prefix_chunk(qh[:, :, s:min(t, s + chunk)], kh[:, :, :prefix + min(t, s + chunk)],
-                                    vh[:, :, :prefix + min(t, s + chunk)], prefix, s, scale)
-                      for s in range(0, t, chunk)], dim=2)[0].transpose(0, 1)
+    return _ChunkedPrefixAttention.apply(qh, kh, vh, prefix, scale, chunk)[0].transpose(0, 1)
 
 
 def latent_decode_attention(q_lat: torch.Tensor, latents: torch.Tensor, lens: torch.Tensor,

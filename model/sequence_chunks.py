@@ -60,18 +60,17 @@ class Window:
     carry_out: bool
 
 
-def plan_windows(seq_lens: Sequence[int], chunk_tokens: int) -> list[Window]:
-    """Cut sequences of seq_lens (packed in order) into windows of chunk_tokens tokens (the last shorter)."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+def plan_cuts(seq_lens: Sequence[int], cuts: Sequence[int]) -> list[Window]:
+    """Cut sequences of seq_lens (packed in order) at the increasing positions cuts = [0, ..., L] into the
+    windows [cuts[i], cuts[i+1]) (none empty). Shared by sequence chunking and context parallelism
+    (model/context_parallel.py)."""
     bounds, pos = [], 0
     for n in seq_lens:
         if n > 0:
             bounds.append((pos, pos + int(n)))
         pos += int(n)
     windows, i = [], 0
-    for s in range(0, pos, chunk_tokens):
-        e = min(pos, s + chunk_tokens)
+    for s, e in zip(cuts[:-1], cuts[1:]):
         while bounds[i][1] <= s:
             i += 1
         lens, j = [], i
@@ -80,6 +79,14 @@ def plan_windows(seq_lens: Sequence[int], chunk_tokens: int) -> list[Window]:
             j += 1
         windows.append(Window(s, e, tuple(lens), bounds[i][0] < s, bounds[j - 1][1] > e))
     return windows
+
+
+def plan_windows(seq_lens: Sequence[int], chunk_tokens: int) -> list[Window]:
+    """Cut sequences of seq_lens (packed in order) into windows of chunk_tokens tokens (the last shorter)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    total = sum(int(n) for n in seq_lens)
+    return plan_cuts(seq_lens, [*range(0, total, chunk_tokens), total]) if total else []
 
 
 # ------------------------------------------------------------------------------------ one layer, one window
@@ -250,4 +257,4 @@ def chunked_forward(
     return outs, routed_t, windows
 
 
-__all__ = ["Window", "plan_windows", "window_forward", "chunked_forward"]
+__all__ = ["Window", "plan_cuts", "plan_windows", "window_forward", "chunked_forward"]

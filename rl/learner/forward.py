@@ -124,13 +124,7 @@ class TrainModule(nn.Module):
             return self._context_parallel(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
         if self.chunks(mb) > 1:
             return self._chunked(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
-        h, _, routed, aux = policy.model(ids, cu, None, rep, return_routed)
-        hs = h[pos]
-        logp, entropy = head_logprobs(hs, mb.targets.to(dev), policy.lm_head.weight)
-        v = None
-        if values:
-            v = self.value(hs) if isinstance(self.value, ValueHead) else self.value(ids, cu, pos)
-        return ForwardOut(logp=logp, entropy=entropy, values=v, routed=routed, aux=aux)
+        return self._whole(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
 
     def _chunked(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None, pos: torch.Tensor,
                  targets: torch.Tensor, return_routed: bool, values: bool) -> ForwardOut:
@@ -190,11 +184,16 @@ class TrainModule(nn.Module):
         return ForwardOut(logp=full[:, 0], entropy=full[:, 1], values=full[:, 2] if values else None,
                           routed=routed_all, aux=None)
 
-    def _whole(self, ids, cu, rep, pos, targets, return_routed, values) -> ForwardOut:
+    def _whole(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None, pos: torch.Tensor,
+               targets: torch.Tensor, return_routed: bool, values: bool) -> ForwardOut:
+        """`forward` in one pass over the whole micro-batch."""
         h, _, routed, aux = self.policy.model(ids, cu, None, rep, return_routed)
         hs = h[pos]
         logp, entropy = head_logprobs(hs, targets, self.policy.lm_head.weight)
-        return ForwardOut(logp, entropy, self.value(hs) if values else None, routed, aux)
+        v = None
+        if values:
+            v = self.value(hs) if isinstance(self.value, ValueHead) else self.value(ids, cu, pos)
+        return ForwardOut(logp=logp, entropy=entropy, values=v, routed=routed, aux=aux)
 
 
 class _ScaleGrad(torch.autograd.Function):

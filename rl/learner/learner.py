@@ -209,14 +209,7 @@ class Learner:
         (every rank creates every group, as torch.distributed requires)."""
         if R == 1:
             return None, 0
-        if not self.distributed:
-            raise ValueError(
-                f"learner.context_parallel={R} splits each micro-batch across {R} ranks: run the learner as "
-                f"rl.learner.group.LearnerGroup(cfg) with learner.num_ranks a multiple of {R}"
-            )
-        if self.world_size % R:
-            raise ValueError(f"learner.num_ranks ({self.world_size}) must be a multiple of "
-                             f"learner.context_parallel ({R})")
+        # num_ranks is a multiple of R (config check) and equals world_size (checked above)
         groups = [dist.new_group(list(range(g * R, (g + 1) * R))) for g in range(self.world_size // R)]
         return groups[self.rank // R], self.rank % R
 
