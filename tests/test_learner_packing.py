@@ -120,3 +120,40 @@ def test_r3_under_packing_routes_every_token_to_its_recorded_experts():
     for l, idx in replayed.items():
         assert torch.equal(idx, recorded[:, l]), l
     assert not torch.equal(free, recorded)  # the recorded experts are not simply the free choice
+
+
+def test_no_whole_vocab_logits_tensor_in_forward_or_backward(monkeypatch):
+    """The LM head runs in chunks of HEAD_CHUNK_ELEMENTS / vocab rows, in the forward and in the backward's
+    recompute: a dispatch mode sees every tensor any aten op produces during a whole learner micro-batch
+    (forward, loss, backward) and none with a vocab-wide last dim has more rows than one chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import rl.learner.forward as fwd
+
+    cfg = small_config(micro_batch_tokens=10_000)
+    learner = Learner(cfg)
+    samples = learner.prepare(ragged_batch(seed=6)).samples
+    for s in samples:
+        s.old_logp = s.rollout_logp.astype(np.float64)
+    vocab, hidden = learner.policy.lm_head.weight.shape
+    rows = 16  # head_logprobs' minimum chunk
+    monkeypatch.setattr(fwd, "HEAD_CHUNK_ELEMENTS", rows * vocab)
+    n_scored = sum(s.n_scored for s in samples)
+    assert n_scored > max(4 * rows, hidden)  # several chunks, so a whole [L, vocab] tensor would be caught
+    weight_t = (hidden, vocab)  # the head weight (and its gradient) transposed: not logits
+
+    class WidestVocabTensor(TorchDispatchMode):
+        most_rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == vocab and \
+                        tuple(t.shape) != weight_t:
+                    self.most_rows = max(self.most_rows, t.numel() // vocab)
+            return out
+
+    with WidestVocabTensor() as seen:
+        learner.accumulate(samples, n_scored, len(samples), fused_old=False)
+    assert 0 < seen.most_rows <= rows, seen.most_rows  # the head ran, in chunks only
+    assert _grads(learner.policy).norm() > 0
