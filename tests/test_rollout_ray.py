@@ -67,6 +67,9 @@ def test_cli_two_ray_workers(ray_session, docker_image, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["episodes_stored"] == 4 and summary["workers"] == 2 and summary["worker_failures"] == []
     assert (run_dir / "config.yaml").exists()
+    marks = summary["startup_s"]  # seconds since this (test) process started, in the order they happened
+    assert list(marks) == ["config", "ray", "workers_ready", "first_episode"], marks
+    assert 0 < marks["config"] <= marks["ray"] <= marks["workers_ready"] <= marks["first_episode"], marks
 
 
 @pytest.mark.slow

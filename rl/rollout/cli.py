@@ -47,6 +47,7 @@ from typing import Any
 from rich.console import Console
 
 from rl.rollout.health import BatchUnhealthy, InfraGuard
+from rl.rollout.startup import StartupClock
 from rl.rollout.summary import RolloutProgress, report_from_dict, report_from_store, summary_table
 from rl.rollout.tasks import Sample, task_stream
 from rl.rollout.worker import RolloutWorker, WorkerReport, WorkerSettings
@@ -79,11 +80,13 @@ def cli_main(argv: list[str]) -> int:
     args = _parser().parse_intermixed_args(argv)
     console = Console()
     err = Console(stderr=True)
+    clock = StartupClock()
     from rl.config import write_resolved
 
     cfg = load_run_config("odyssey rollout", args.config, args.overrides, err)
     if cfg is None:
         return 2
+    clock.mark("config")
     n = cfg.rollout.episodes if args.episodes is None else args.episodes
     if n < 1:
         err.print(f"odyssey rollout: --episodes must be >= 1, got {n}", highlight=False)
@@ -112,7 +115,7 @@ def cli_main(argv: list[str]) -> int:
         if args.no_ray:
             report, failures = asyncio.run(_run_local(settings, samples, console, guard)), []
         else:
-            report, failures = run_on_ray(settings, samples, workers, console, guard=guard)
+            report, failures = run_on_ray(settings, samples, workers, console, guard=guard, clock=clock)
     except KeyboardInterrupt:
         err.print("odyssey rollout: interrupted; finished episodes are in the store", highlight=False)
         return 130
@@ -124,12 +127,14 @@ def cli_main(argv: list[str]) -> int:
         report.wall_s = wall
     stored = report.episodes
     console.print(summary_table(report))
+    console.print(clock.line(), highlight=False)
     summary = {
         "episodes_requested": n,
         "episodes_stored": stored,
         "run_dir": str(run_dir),
         "store": str(store_dir),
         "driver_wall_s": wall,
+        "startup_s": clock.marks,
         "worker_failures": failures,
         "stopped": stopped,
         **report.to_dict(),
@@ -268,6 +273,7 @@ def run_on_ray(
     max_infra_retries: int = 1,
     actor_options: dict[str, Any] | None = None,
     guard: InfraGuard | None = None,
+    clock: StartupClock | None = None,
 ) -> tuple[WorkerReport, list[str]]:
     """Run `samples` on `num_workers` RolloutWorker actors fed from one queue (rl/rollout/dispatch.py),
     append each finished episode to `settings.store_dir` from this process, show progress.
@@ -277,15 +283,18 @@ def run_on_ray(
     times in all, default one per worker); the episodes it held are re-run with the same seeds, so every
     sample is stored exactly once. actor_factory(worker_id) -> actor (default: a 1-CPU RolloutWorker
     with `actor_options`). guard: stops the run (BatchUnhealthy, actors killed) once it judges the infra
-    errors too many. Returns the report of the stored episodes (wall_s: the driver's, from every actor
-    being up to the last result) and the failure messages.
+    errors too many. clock: gets the "ray", "workers_ready" and "first_episode" marks (rl/rollout/startup.py).
+    Returns the report of the stored episodes (wall_s: the driver's, from every actor being up to the last
+    result) and the failure messages.
     """
     import ray
 
     from rl.rollout.dispatch import Dispatcher
     from rl.trajectory import TrajectoryStore
 
+    clock = clock or StartupClock()
     started = init_ray(num_workers)
+    clock.mark("ray")
     actor_settings = dataclasses.replace(settings, store_dir=None)  # the driver stores: no shared disk
     if actor_factory is None:
         actor_cls = ray.remote(RolloutWorker).options(
@@ -312,6 +321,7 @@ def run_on_ray(
     )
     try:
         dispatcher.wait_ready(timeout=600)  # every actor is up: the driver's clock starts
+        clock.mark("workers_ready")
         t0 = time.perf_counter()
         dispatcher.put(samples)
         with RolloutProgress(len(samples), console) as prog:
@@ -322,6 +332,7 @@ def run_on_ray(
                     if store is not None:
                         store.append(f.traj)
                     report.add(f.traj)
+                    clock.mark("first_episode")
                 prog.update(report.episodes, report.generated_tokens, report.infra_errors)
                 _check_guard(guard, settings, len(samples), [_as_poll(report)])
     finally:

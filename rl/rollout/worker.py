@@ -294,6 +294,7 @@ class RolloutWorker:
         self._own_pool = False
         self._pool_lock: asyncio.Lock | None = None
         self._pool_checked = False
+        self._pool_warmup: asyncio.Task | None = None  # started by `ping`, awaited by the first episode
         self.store = TrajectoryStore(settings.store_dir) if settings.store_dir else None
         self._specs = None
         if settings.rewards:
@@ -307,6 +308,10 @@ class RolloutWorker:
     # ------------------------------------------------------------------ env + sandbox
     async def _ensure_pool(self) -> None:
         """Start the shared SandboxPool once, if configured and the env actually uses sandboxes."""
+        warmup = self._pool_warmup
+        if warmup is not None and warmup is not asyncio.current_task():
+            self._pool_warmup = None
+            await warmup  # `ping` started it: the first episode gets its failure, as if it had started it
         if self._pool_checked or not self.settings.shared_pool:
             return
         if self._pool_lock is None:
@@ -488,6 +493,9 @@ class RolloutWorker:
         return int(self.engine.weight_version)
 
     async def close(self) -> None:
+        warmup, self._pool_warmup = self._pool_warmup, None
+        if warmup is not None:  # a pool still starting is closed below once it exists, never leaked
+            await asyncio.gather(warmup, return_exceptions=True)
         if hasattr(self.engine, "aclose"):
             await self.engine.aclose()
         if self._own_engine and hasattr(self.engine, "shutdown"):
@@ -500,6 +508,11 @@ class RolloutWorker:
             self._pool = None
 
     async def ping(self) -> int:
+        """The readiness check (the driver waits for every worker's). It also starts the sandbox pool in the
+        background, so container start-up overlaps the other workers' start-up instead of delaying the first
+        episode; the first episode waits for it (and gets its error, if it failed)."""
+        if self.settings.shared_pool and not self._pool_checked and self._pool_warmup is None:
+            self._pool_warmup = asyncio.create_task(self._ensure_pool())
         return self.worker_id
 
     async def info(self) -> dict:
