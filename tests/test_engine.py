@@ -408,3 +408,47 @@ def test_update_mid_decode_continues_on_new_weights(model, other_model):
         assert abs(by_version[v][P - 1 + i].item() - lp) < PARITY_TOL, (i, v)
     assert abs(by_version[0][P + 6].item() - res.logprobs[7]) > 1e-3  # old weights would differ there
     assert res.session.num_tokens == len(ids) and res.session.weight_version == 1
+
+
+# ----------------------------------------------------------------------------- teacher forcing
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=9, seed=5),
+                                      SamplingParams(max_new_tokens=9, seed=6, temperature=0.8, top_k=50)],
+                         ids=["plain", "filtered"])
+def test_forced_tokens_score_like_the_sampled_ones(model, sampling):
+    """Feeding a sampled turn back as forced_ids (new session, prefill chunks that split it) returns the
+    same tokens, log-probs (under the same filtered distribution), routed experts and finish reason as
+    sampling them did; the session then continues exactly like the sampled one."""
+    prompt = _prompt(21, 40)
+    sampled = TorchEngine(model).generate([GenerationRequest(prompt, sampling)])[0]
+    eng = TorchEngine(model, prefill_chunk_size=7)  # forced positions fall in several chunks
+    forced = eng.generate([GenerationRequest(prompt, sampling, forced_ids=sampled.token_ids)])[0]
+    assert forced.token_ids == sampled.token_ids and forced.finish_reason == sampled.finish_reason
+    assert np.allclose(forced.logprobs, sampled.logprobs, atol=1e-5), (forced.logprobs, sampled.logprobs)
+    assert np.array_equal(forced.routed_experts, sampled.routed_experts)
+    assert np.array_equal(forced.prompt_routed_experts, sampled.prompt_routed_experts)
+    assert forced.prompt_len == len(prompt) and forced.token_versions == [0] * len(sampled.token_ids)
+    obs, nxt = _prompt(22, 11), SamplingParams(max_new_tokens=5, seed=7)
+    a = TorchEngine(model).generate([GenerationRequest(obs, nxt, session=sampled.session)])[0]
+    b = eng.generate([GenerationRequest(obs, nxt, session=forced.session)])[0]
+    assert a.token_ids == b.token_ids and np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert forced.session.num_tokens == len(prompt) + len(sampled.token_ids) + len(obs) + 5
+
+
+def test_forced_tokens_match_the_trainer_and_continue_an_empty_prompt(model):
+    """forced_ids with no new prompt tokens are scored by the session's next-token logits; every forced
+    log-prob equals the trainer's token_logprobs on the whole conversation (the oracle), and so do the
+    routed experts. A stop token at the end finishes the turn with "stop_token"."""
+    eng = TorchEngine(model)
+    prompt, turn1, turn2 = _prompt(31, 25), _prompt(32, 6), _prompt(33, 8)
+    stop = SamplingParams(max_new_tokens=100, stop_token_ids=(turn2[-1],))
+    r1 = eng.generate([GenerationRequest(prompt, stop, forced_ids=turn1)])[0]
+    r2 = eng.generate([GenerationRequest([], stop, session=r1.session, forced_ids=turn2)])[0]
+    assert r1.finish_reason == "length" and r2.finish_reason == "stop_token" and r2.prompt_len == 0
+    ids = prompt + turn1 + turn2
+    lp, routed = _full_forward(model, ids)
+    got = torch.tensor(r1.logprobs + r2.logprobs)
+    assert (lp[len(prompt) - 1 :] - got).abs().max().item() < PARITY_TOL
+    rec = np.concatenate([r1.prompt_routed_experts, r1.routed_experts, r2.routed_experts]).astype(np.int64)
+    assert np.array_equal(rec, routed.numpy())
+    with pytest.raises(ValueError, match="prompt_ids is empty and there is no session"):
+        eng.generate([GenerationRequest([], stop, forced_ids=turn1)])

@@ -52,7 +52,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from rl.rollout.sampling import SamplingParams, UniformStream, make_generator, sample_tokens
+from rl.rollout.sampling import SamplingParams, UniformStream, filter_logits, make_generator, sample_tokens
 
 FinishReason = Literal["stop_token", "stop_string", "length"]
 
@@ -78,12 +78,16 @@ class Session:
 @dataclass
 class GenerationRequest:
     """prompt_ids: tokens to append before generating (whole prompt, or only the new tokens when
-    continuing `session`). sampling: decoding parameters. session: None starts a new conversation."""
+    continuing `session`). sampling: decoding parameters. session: None starts a new conversation.
+    forced_ids: teacher forcing (TorchEngine): instead of sampling, the engine appends these tokens as the
+    turn's output and returns them with their log-probs under the distribution `sampling` describes and
+    their routed experts, as if it had sampled them (a scripted policy scored by the real model)."""
 
     prompt_ids: Sequence[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     session: Session | None = None
     request_id: str | None = None
+    forced_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -161,6 +165,8 @@ class _Seq:
         "versions",
         "n_hist",
         "cache_version",
+        "n_forced",
+        "forced_logits",
     )
 
     def __init__(self, req: GenerationRequest, seed: int, new_session: Session):
@@ -169,8 +175,14 @@ class _Seq:
         self.gen = make_generator(seed)
         self.uniforms = UniformStream(self.gen)
         self.session = req.session if req.session is not None else new_session
-        self.todo = list(map(int, req.prompt_ids))
+        self.n_forced = len(req.forced_ids)  # teacher-forced output, prefilled after the prompt
+        self.todo = list(map(int, req.prompt_ids)) + list(map(int, req.forced_ids))
         self.pos = 0  # tokens of `todo` already prefilled
+        # logits that score the forced tokens: the session's next-token logits when there is no prompt,
+        # then the prefill's at each forced position but the last (filled by _prefill)
+        self.forced_logits: dict[int, torch.Tensor] = {}
+        if self.n_forced and not req.prompt_ids and self.session.next_logits is not None:
+            self.forced_logits[-1] = self.session.next_logits
         self.cache = self.session.cache
         self.prompt_routed: list[np.ndarray] = []
         self.tokens: list[int] = []
@@ -403,9 +415,13 @@ class TorchEngine:
                 self._prefill(joining)
                 for s in joining:
                     s.cache_version = self._version
-                firsts = [s for s in joining if s.params.max_new_tokens > 0]
+                firsts = [s for s in joining if s.params.max_new_tokens > 0 and not s.n_forced]
                 for s in joining:
-                    if s.params.max_new_tokens == 0:  # prefill only
+                    if s.n_forced:  # teacher-forced: scored in the prefill, nothing to sample
+                        self._take_forced(s)
+                        self._leave(s, s.cache, s.last_logits)
+                        finished.append(s)
+                    elif s.params.max_new_tokens == 0:  # prefill only
                         s.finish = "length"
                         self._leave(s, s.cache, s.last_logits)
                         finished.append(s)
@@ -445,6 +461,29 @@ class TorchEngine:
                 cache = _select(cache, keep) if keep else None
                 running = [running[i] for i in keep]
         return running, cache, finished
+
+    def _take_forced(self, s: _Seq) -> None:
+        """Move the prefilled forced tokens of `s` from its prompt to its output: their log-probs under the
+        request's sampling distribution (rl/rollout/sampling.py, as if sampled), their routed experts, and
+        the finish reason the stop rules give for them (the budget being the forced length)."""
+        n, m = s.n_forced, len(s.todo) - s.n_forced
+        forced = s.todo[m:]
+        rows = [s.forced_logits[i] for i in range(m - 1, m + n - 1)]  # row j scores forced token j
+        z = torch.stack(rows).float()
+        p = s.params
+        if not (p.top_k == 0 and p.top_p == 1 and p.temperature in (0, 1)):
+            z = filter_logits(z, torch.full((n,), p.temperature if p.temperature > 0 else 1.0),
+                              torch.full((n,), p.top_k, dtype=torch.long), torch.full((n,), p.top_p))
+        lp = torch.log_softmax(z, dim=-1).gather(-1, torch.tensor(forced)[:, None]).squeeze(-1)
+        if p.temperature == 0:  # greedy reports 0.0, as sample_tokens does
+            lp = torch.zeros_like(lp)
+        s.todo, s.tokens, s.logprobs = s.todo[:m], forced, lp.tolist()
+        s.versions = [self._version] * n
+        if s.prompt_routed:
+            routed = np.concatenate(s.prompt_routed, 0)
+            s.prompt_routed, s.routed = [routed[: len(routed) - n]], [routed[len(routed) - n :]]
+        s.finish = stop_reason(forced, p, self.detokenize, budget=n)
+        s.forced_logits = {}
 
     def _leave(self, s: _Seq, cache_row: Any, next_logits: torch.Tensor | None) -> None:
         sess = s.session
@@ -511,9 +550,18 @@ class TorchEngine:
             cu = torch.zeros(len(parts) + 1, dtype=torch.int32)
             cu[1:] = torch.cumsum(lens, 0)
             done = [i for i, (s, n) in enumerate(parts) if s.pos + n == len(s.todo)]
-            logit_index = (cu[1:][done] - 1).long()
+            index = [int(cu[i + 1]) - 1 for i in done]
+            wanted = []  # (seq, todo position) whose logits score a forced token
+            for i, (s, n) in enumerate(parts):
+                first = len(s.todo) - s.n_forced - 1  # the last prompt token's logits score forced token 0
+                for q in range(max(s.pos, first), min(s.pos + n, len(s.todo) - 1)) if s.n_forced else ():
+                    wanted.append((s, q))
+                    index.append(int(cu[i]) + q - s.pos)
+            logit_index = torch.tensor(index, dtype=torch.long)
             cache = _concat([s.cache for s, _ in parts]) if len(parts) > 1 else parts[0][0].cache
             logits, routed, cache = self._forward(ids, cu, cache, logit_index)
+            for j, (s, q) in enumerate(wanted):
+                s.forced_logits[q] = logits[len(done) + j]
             self.stats["prefill_tokens"] += int(lens.sum())
             for i, (s, n) in enumerate(parts):
                 s.cache = _select(cache, [i]) if len(parts) > 1 else cache

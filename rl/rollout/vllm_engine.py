@@ -327,6 +327,9 @@ class VllmEngine:
         if not req.prompt_ids and not history:
             raise ValueError("GenerationRequest.prompt_ids is empty and there is no session to continue: "
                              "give at least one prompt token")
+        if req.forced_ids:
+            raise ValueError("GenerationRequest.forced_ids (teacher forcing) is a TorchEngine feature: "
+                             "score a scripted policy with rollout.engine=torch")
         if req.sampling.stop_strings and self.detokenize is None:
             raise ValueError("stop_strings need a detokenizer: "
                              "VllmEngine(model_dir, detokenize=tokenizer.decode)")
