@@ -284,3 +284,22 @@ def test_docs_list_every_key():
     docs = (ROOT / "docs" / "config.md").read_text()
     missing = [p for p in _leaf_paths(RunConfig) if f"`{p.replace('.0.', '.N.')}`" not in docs and "." in p]
     assert missing == [], f"document these keys in docs/config.md: {missing}"
+
+
+def test_every_shipped_config_passes_config_show_and_the_staged_curriculum_has_the_stage_budgets(capsys):
+    """`odyssey config show FILE` (what a user runs first) accepts every shipped config, stages included; the
+    four-stage curriculum's stages have the budgets of the four stage_*.yaml configs."""
+    from rl.config import cli_main
+    from rl.train.stages import stage_config
+
+    for p in CONFIGS:
+        assert cli_main(["show", str(p)]) == 0, p.name
+        assert "rollout:" in capsys.readouterr().out, p.name
+    staged = load_config(ROOT / "configs" / "staged_8k_1m.yaml")
+    for i, s in enumerate(("8k", "64k", "256k", "1m")):
+        one = load_config(ROOT / "configs" / f"stage_{s}.yaml")
+        st = stage_config(staged, i)
+        assert staged.stages[i].name == s
+        assert (st.rollout.max_tokens, st.env.kwargs, st.rollout.max_new_tokens, st.rollout.episodes) == (
+            one.rollout.max_tokens, one.env.kwargs, one.rollout.max_new_tokens, one.rollout.episodes)
+        assert st.rewards[3].params == one.rewards[3].params
