@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 import time
 
-import psutil
-
 
 def process_start_time() -> float:
     """When this process was created, epoch seconds. On Linux from /proc (10 ms ticks since boot against
@@ -27,7 +25,9 @@ def process_start_time() -> float:
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError):  # not Linux
+        import psutil  # installed with trl / accelerate
+
         return psutil.Process().create_time()
 
 
