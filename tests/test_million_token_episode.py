@@ -41,7 +41,8 @@ def test_scripted_reader_episode_is_produced_scored_stored_and_packed(docker_san
     res = json.loads(out.read_text())
     t = res["trajectory"]
     assert t["tokens"] > target and t["infra_error"] is None and t["outcome"] == 1.0 and t["turns"] >= 3
-    assert t["has_logprobs_and_routes"] and res["engine"]["prefill_tokens"] == t["tokens"]
+    assert t["has_logprobs_and_routes"] and res["production"]["engine"]["prefill_tokens"] == t["tokens"]
+    assert res["learner_batch"] == {"advantage": "raft", "samples": 1, "scored_tokens": t["generated_tokens"]}
     p = res["packed"]
     assert p["micro_batches"] == 1 and p["input_tokens"] == t["tokens"] - 1
     assert p["cu_seqlens"] == [0, t["tokens"] - 1]
