@@ -182,6 +182,33 @@ def bench_prefill(ours, llama, seqlen: int, n_rounds: int) -> dict:
     return summarise(f"prefill 1x{seqlen // 1024}K", seqlen, t_o, t_l, 2.0)
 
 
+def bench_attention(ours, llama, seqlen: int, n_rounds: int) -> dict:
+    """One gated MLA layer of `tiny` against one Llama attention layer (same hidden size and heads; rotary
+    embeddings included), forward + backward over 1 x seqlen tokens: the quadratic quarter of the model,
+    per layer (issue 19: "no slower per layer than Llama's attention")."""
+    mla = ours.model.layers[ours.config.layer_types.index("mla")].mixer.train()
+    attn = llama.model.layers[0].self_attn.train()
+    D = ours.config.hidden_size
+    x = torch.randn(seqlen, D, generator=torch.Generator().manual_seed(seqlen)) * 0.5
+    r = torch.randn(seqlen, D, generator=torch.Generator().manual_seed(seqlen + 1))
+    cu = torch.tensor([0, seqlen], dtype=torch.int32)
+    pos = torch.arange(seqlen)[None]
+    rope = llama.model.rotary_emb(x[None], pos)
+
+    def ours_step():
+        mla.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        (mla(xi, cu)[0] * r).sum().backward()
+
+    def llama_step():
+        attn.zero_grad(set_to_none=True)
+        xi = x[None].clone().requires_grad_()
+        (attn(xi, position_embeddings=rope, attention_mask=None)[0][0] * r).sum().backward()
+
+    t_o, t_l = rounds_of(ours_step, llama_step, n_rounds)
+    return summarise(f"attention layer 1x{seqlen // 1024}K", seqlen, t_o, t_l, 1.0)
+
+
 def single_train_step(which: str, seqlen: int, threads: int) -> dict:
     """Child process: one untimed-free fwd+bwd of one model at 1 x seqlen (the first call is the measurement:
     at 64K a warm-up call would double the cost). Prints and returns {wall, cpu, max_rss_GiB}."""
@@ -243,7 +270,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="1 round per row, no 16K/64K rows (smoke run)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for both models")
-    ap.add_argument("--rows", default="decode,train,prefill", help="comma list of row groups to run")
+    ap.add_argument("--rows", default="decode,train,prefill,attention",
+                    help="comma list of row groups to run; a subset updates those rows of --out in place")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="run Llama's 64K training row only if its estimated time fits this")
     ap.add_argument("--max-mem-gib", type=float, default=14.0, help="address-space limit of each 64K row")
@@ -275,6 +303,9 @@ def main() -> int:
             rows.append(bench_train_64k(args.threads, args.max_mem_gib, llama_16k, args.budget_s))
     if "prefill" in groups:
         rows.append(bench_prefill(ours, llama, 4096 if args.quick else 16384, 1 if args.quick else 3))
+    if "attention" in groups:
+        for seqlen in (4096,) if args.quick else (4096, 16384):
+            rows.append(bench_attention(ours, llama, seqlen, 1 if args.quick else 3))
     res = {
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
@@ -286,12 +317,21 @@ def main() -> int:
         "rows": rows,
         "wall_s": time.time() - t_start,
     }
+    for r in rows:
+        r["measured"] = {"at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load_avg_1m": load0}
+    out = Path(args.out)
+    if groups != {"decode", "train", "prefill", "attention"} and out.exists():  # a subset: update in place
+        old = json.loads(out.read_text())
+        fresh = {r["row"] for r in rows}
+        res["rows"] = [r for r in old["rows"] if r["row"] not in fresh] + rows
+        res["machine"] = old["machine"] | {f"rows {args.rows}": res["machine"]}
+        res["wall_s"] = old.get("wall_s")
     res["summary"] = {r["row"]: round(r["ratio"]["median"], 3) if "ratio" in r else
-                      r.get("llama_failure") or r.get("odyssey_failure") for r in rows}
+                      r.get("llama_failure") or r.get("odyssey_failure") for r in res["rows"]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res["summary"], indent=2))
-    print(f"wrote {args.out} in {res['wall_s']:.0f} s")
+    print(f"wrote {args.out} in {time.time() - t_start:.0f} s")
     return 0
 
 
