@@ -52,7 +52,13 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from rl.rollout.sampling import SamplingParams, UniformStream, filter_logits, make_generator, sample_tokens
+from rl.rollout.sampling import (
+    SamplingParams,
+    UniformStream,
+    make_generator,
+    sample_tokens,
+    sampling_logprobs,
+)
 
 FinishReason = Literal["stop_token", "stop_string", "length"]
 
@@ -468,13 +474,9 @@ class TorchEngine:
         the finish reason the stop rules give for them (the budget being the forced length)."""
         n, m = s.n_forced, len(s.todo) - s.n_forced
         forced = s.todo[m:]
-        rows = [s.forced_logits[i] for i in range(m - 1, m + n - 1)]  # row j scores forced token j
-        z = torch.stack(rows).float()
+        rows = torch.stack([s.forced_logits[i] for i in range(m - 1, m + n - 1)])  # row j scores token j
         p = s.params
-        if not (p.top_k == 0 and p.top_p == 1 and p.temperature in (0, 1)):
-            z = filter_logits(z, torch.full((n,), p.temperature if p.temperature > 0 else 1.0),
-                              torch.full((n,), p.top_k, dtype=torch.long), torch.full((n,), p.top_p))
-        lp = torch.log_softmax(z, dim=-1).gather(-1, torch.tensor(forced)[:, None]).squeeze(-1)
+        lp = sampling_logprobs(rows, [p] * n).gather(-1, torch.tensor(forced)[:, None]).squeeze(-1)
         if p.temperature == 0:  # greedy reports 0.0, as sample_tokens does
             lp = torch.zeros_like(lp)
         s.todo, s.tokens, s.logprobs = s.todo[:m], forced, lp.tolist()

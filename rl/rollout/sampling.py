@@ -89,6 +89,18 @@ def filter_logits(
     return z
 
 
+def sampling_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """log-probs [N, V] of the filtered distribution each row is drawn from (module docstring); greedy rows
+    are taken at temperature 1 (their reported logprob is 0.0, set by the caller). logits [N, V]."""
+    logits = logits.float()
+    if all(p.top_k == 0 and p.top_p == 1 and p.temperature in (0, 1) for p in params):
+        return torch.log_softmax(logits, dim=-1)  # nothing to filter, temperature 1
+    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    return torch.log_softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -105,14 +117,7 @@ def sample_tokens(
     N = logits.shape[0]
     assert len(params) == N == len(generators), "one SamplingParams and one generator per row"
     logits = logits.float()
-    if all(p.top_k == 0 and p.top_p == 1 and p.temperature in (0, 1) for p in params):
-        z = logits  # nothing to filter, temperature 1 (greedy rows are sampled at 1, then replaced below)
-    else:
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        z = filter_logits(logits, temperature, top_k, top_p)
-    logp = torch.log_softmax(z, dim=-1)  # [N, V]
+    logp = sampling_logprobs(logits, params)  # [N, V]
     # One uniform per row from the row's own generator: independent of batch composition.
     u = uniforms if uniforms is not None else \
         torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
