@@ -19,7 +19,7 @@ setup:
 demo: setup
 	$(VENV)/bin/odyssey warmup configs/tiny.yaml --out $(CURDIR)/runs/tiny/warmup
 	$(VENV)/bin/odyssey train configs/tiny.yaml model.init_from=$(CURDIR)/runs/tiny/warmup \
-		learner.advantage=raft learner.steps=60 learner.lr=5e-5 learner.warmup_steps=5 \
+		learner.advantage=raft learner.steps=40 learner.lr=1e-4 learner.warmup_steps=3 learner.ppo_epochs=4 \
 		logging.run_dir=$(CURDIR)/runs/tiny/rl
 
 ## The whole suite, heavy tests (docker, ray, vllm, slow) included.

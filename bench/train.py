@@ -4,7 +4,8 @@
    preset), `odyssey train`'s Trainer with orchestrator.max_staleness 0 (strictly on-policy: no rollout
    while the learner trains) and 1 (rollouts continue). Steps/s over the steps after the first (start-up
    and the first batch excluded) and the mean seconds per phase from metrics.jsonl; the speed-up is
-   async steps/s / sync steps/s.
+   async steps/s / sync steps/s. Also the driver's CPU seconds (this process runs the Trainer; it holds
+   no model, so its CPU time is overhead that the 2 cores' rollout workers and learner do not get).
 2. weight sync: seconds of one WeightSync.push (one object in Ray's object store, fetched and loaded by
    every rollout worker) for the `tiny` and `small` presets, 2 workers, median of 3.
 
@@ -62,9 +63,9 @@ def run_loop(
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), overrides)
     if cfg_out is not None:
         cfg_out.append(cfg)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     Trainer(cfg, console=Console(file=io.StringIO())).run()
-    wall = time.perf_counter() - t0
+    wall, driver_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     later = recs[1:]
     span = later[-1]["wall_s"] - recs[0]["wall_s"]
@@ -80,6 +81,9 @@ def run_loop(
         "learner_tokens_per_step": statistics.mean(r.get("learner/tokens") or 0.0 for r in recs),
         "tokens_per_s": sum(r["tokens"] for r in later) / span if span > 0 else None,
         "wall_s_with_startup": wall,
+        # CPU seconds of this process (the driver: it holds no model) over the whole run, per step
+        "driver_cpu_s_per_step": driver_cpu / steps,
+        "driver_cpu_fraction_of_wall": driver_cpu / wall,
     }
 
 
@@ -170,8 +174,13 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=1))
     s = out["sync_vs_async"]
-    print(f"sync  {s['sync']['seconds_per_step']:.2f} s/step  phases {s['sync']['mean_phase_s']}")
-    print(f"async {s['async']['seconds_per_step']:.2f} s/step  phases {s['async']['mean_phase_s']}")
+    for mode in ("sync", "async"):
+        r = s[mode]
+        cpu, frac = r["driver_cpu_s_per_step"], 100 * r["driver_cpu_fraction_of_wall"]
+        print(
+            f"{mode:5s} {r['seconds_per_step']:.2f} s/step  phases {r['mean_phase_s']}  "
+            f"driver CPU {cpu:.2f} s/step ({frac:.0f}% of wall)"
+        )
     print(f"async / sync steps/s: {s['speedup_async_over_sync']:.2f}x")
     v = out["rl_tokens_per_s_vs_trl"]
     ours, trl_rate = v["ours_async_tokens_per_s"], v["trl_tokens_per_s"]

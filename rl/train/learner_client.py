@@ -122,6 +122,11 @@ class LearnerClient:
     def done(fut: concurrent.futures.Future) -> bool:
         return fut.done()
 
+    @staticmethod
+    def wait(fut: concurrent.futures.Future, timeout: float) -> bool:
+        """Block until the step is done or `timeout` s passed; True when done."""
+        return fut in concurrent.futures.wait([fut], timeout=timeout).done
+
     def result(self, fut: concurrent.futures.Future) -> dict[str, float]:
         return dict(fut.result())
 

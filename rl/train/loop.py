@@ -359,7 +359,10 @@ class Trainer:
         fut = self.learner.step([t for _, t in batch])
         while not self.learner.done(fut):
             self._draw(busy=True)
-            self._poll(timeout=0.2)
+            if self.dispatcher.idle:  # nothing to collect: block on the learner (polling would spin a core)
+                self.learner.wait(fut, timeout=0.2)
+            else:
+                self._poll(timeout=0.2)
         learner_metrics = self.learner.result(fut)
         learner_s = time.perf_counter() - t0
         self.state.step += 1
