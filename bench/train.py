@@ -136,7 +136,7 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})  # fmt: skip
-    note = "2 shared cores, other jobs running: absolute times are noisy, the ratio is measured in one run"
+    note = "2 shared cores: absolute times depend on other load on them; ratios are measured in one run"
     out: dict = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "note": note}
     try:
         from bench.trl_grpo import trl_tokens_per_s
