@@ -2,13 +2,13 @@
 
 For each task family (--families), training seed s (--seeds) and variant: `odyssey train <family config>`
 (Ray, async, real Docker sandboxes where the env has tools) from the family's SFT warm-up checkpoint
-(built by `odyssey warmup` when missing), with rollout.seed = s: the seed of the task stream, of every
-sampling seed and of the held-out tasks. The held-out evaluation before the first step is the SFT-only
-checkpoint, the one after the last step is RL; both play the same held-out tasks with the same sampling
-seeds at the training temperature, so each seed gives a paired difference. Reported per family and
-variant: mean over seeds and the standard error (std / sqrt(n), n = seeds) of SFT-only and RL success,
-their ratio and difference, and whether the issue's target (RL >= 1.5x SFT-only, or >= +0.3 absolute)
-is met.
+(`odyssey warmup`: a no-op when it holds the recipe), with rollout.seed = s: the seed of the task stream,
+of every sampling seed and of the held-out tasks. The held-out evaluation before the first step is the
+SFT-only checkpoint, the one after the last step is RL; both play the same held-out tasks with the same
+sampling seeds at the training temperature, so each seed gives a paired difference. Reported per family
+and variant: mean over seeds and the standard error (std / sqrt(n), n = seeds) of SFT-only and RL
+success, their ratio and difference, and whether the issue's target (RL >= 1.5x SFT-only, or >= +0.3
+absolute) is met.
 
 Families:
   arith          configs/tiny.yaml: arithmetic with a calculator tool in a Docker sandbox (calc, then
@@ -29,7 +29,7 @@ Variants (overrides on the family's config):
 `--variants` / `--families` run some of them; the results file keeps the runs of the others, each with
 the steps and eval episodes it was run with (see "summary").
 
-    .venv/bin/python bench/learning.py [--families arith] [--variants rl_raft] [--steps 60] [--seeds 0 1 2]
+    .venv/bin/python bench/learning.py [--families arith] [--variants rl_raft] [--steps 40] [--seeds 0 1 2]
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ LABELS = {
 @dataclass(frozen=True)
 class Family:
     config: str  # the run config, relative to the repo root
-    warmup: str  # where its SFT warm-up checkpoint lives (built when missing)
+    warmup: str  # where its SFT warm-up checkpoint lives (`odyssey warmup` builds or reuses it)
     label: str
     variants: tuple[str, ...]  # the variants that make sense for it
 
@@ -199,23 +199,16 @@ def plot(summary: dict, runs: list[dict]) -> None:
 
 
 def ensure_warmup(family: str) -> bool:
-    """Build the family's SFT warm-up checkpoint with `odyssey warmup` when it is missing."""
-    fam = FAMILIES[family]
-    init = ROOT / fam.warmup
-    if (init / "config.json").is_file():
-        return True
+    """`odyssey warmup` the family's SFT checkpoint: a no-op when it holds this recipe, else (re)trained."""
     from rl.warmup import cli_main as warmup
 
-    print(
-        f"bench/learning: no warm-up checkpoint at {init}; running `odyssey warmup {fam.config}` first",
-        flush=True,
-    )
-    return warmup([str(ROOT / fam.config), "--out", str(init)]) == 0
+    fam = FAMILIES[family]
+    return warmup([str(ROOT / fam.config), "--out", str(ROOT / fam.warmup)]) == 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--eval-episodes", type=int, default=128, help="sampled held-out episodes per eval")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
