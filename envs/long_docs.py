@@ -9,6 +9,9 @@ the tools run `envs/sandbox_scripts/docs.py` with python3 and page their output
 shows the fact placing the artifact in its vault, `found_code` when one shows that vault's code.
 `answer(code)` ends the episode with success 1.0 / 0.0. Trajectory length scales with the config:
 a policy reading everything (`envs.tasks.long_docs.reader_actions`) sees the whole set.
+With `use_sandbox=False` the documents go to a private temporary folder and the same script runs
+in-process (`docs.run`), with the same output: for the SFT warm-up's oracle transcripts and Docker-free
+smoke runs, not for model-written patterns at scale (no timeout there).
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from __future__ import annotations
 import asyncio
 import io
 import tarfile
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from envs.generated_task_env import GeneratedTaskEnv
+from envs.sandbox_scripts import docs as docs_script
 from envs.sandbox_scripts import script_source
 from envs.sandbox_scripts.docs import MAX_PATTERN as MAX_PATTERN_CHARS
 from envs.tasks import long_docs as long_docs_tasks
@@ -42,7 +48,7 @@ def _tar(docs: dict[str, str]) -> bytes:
 class LongDocsEnv(GeneratedTaskEnv):
     """Args: difficulty (0-3, see envs.tasks.long_docs.DIFFICULTIES), config (LongDocsConfig overrides:
     num_docs, lines_per_doc, words_per_line, num_vaults, page_lines, grep_page_matches, list_page_docs),
-    tool_timeout_s, and the ToolEnv arguments."""
+    use_sandbox (run the tools in the sandbox; default True), tool_timeout_s, and the ToolEnv arguments."""
 
     tasks = long_docs_tasks
     env_id = "long-docs"
@@ -57,6 +63,7 @@ class LongDocsEnv(GeneratedTaskEnv):
         self,
         difficulty: int = 0,
         config: dict[str, Any] | None = None,
+        use_sandbox: bool = True,
         tool_timeout_s: float = 20.0,
         *,
         max_turns: int | None = None,
@@ -70,10 +77,15 @@ class LongDocsEnv(GeneratedTaskEnv):
             sandbox_pool=sandbox_pool,
             tools_in_prompt=tools_in_prompt,
         )
+        self.uses_sandbox = use_sandbox
         self.tool_timeout_s = tool_timeout_s
         self._script = script_source("docs")
+        self._local: tempfile.TemporaryDirectory | None = None  # the documents when use_sandbox=False
 
     async def setup(self) -> None:
+        if not self.uses_sandbox:
+            await asyncio.to_thread(self._write_local, self.task.docs)
+            return
         archive = await asyncio.to_thread(_tar, self.task.docs)
         await self.sandbox.awrite_file("/work/docs.tar", archive)
         cmd = f"mkdir -p {DOCS_DIR} && tar -xf /work/docs.tar -C {DOCS_DIR} && rm /work/docs.tar"
@@ -86,7 +98,31 @@ class LongDocsEnv(GeneratedTaskEnv):
                 f"long-docs setup failed to unpack documents: {res.stdout}{res.stderr}".strip()
             )
 
+    def close(self) -> None:
+        super().close()
+        self._remove_local()
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        self._remove_local()
+
+    def _remove_local(self) -> None:
+        if self._local is not None:
+            self._local.cleanup()
+            self._local = None
+
+    def _write_local(self, docs: dict[str, str]) -> None:
+        self._remove_local()
+        self._local = tempfile.TemporaryDirectory(prefix="odyssey-long-docs-")
+        for name, text in docs.items():
+            (Path(self._local.name) / name).write_text(text, encoding="utf-8")
+
     async def _docs(self, *args: str) -> str:
+        if not self.uses_sandbox:
+            code, out = await asyncio.to_thread(docs_script.run, [self._local.name, *args])
+            if code != 0:
+                raise ToolError(out.removeprefix("error: "))
+            return self._credit(out)
         res = await self.sandbox.aexec(
             ["python3", "-c", self._script, DOCS_DIR, *args], timeout_s=self.tool_timeout_s
         )
@@ -97,6 +133,10 @@ class LongDocsEnv(GeneratedTaskEnv):
             out += "\n[output truncated by the sandbox's output limit: ask for a smaller page]"
         if res.exit_code != 0:
             raise ToolError(out.removeprefix("error: ") or res.stderr.strip()[-300:])
+        return self._credit(out)
+
+    def _credit(self, out: str) -> str:
+        """Achieve the sub-goals whose facts tool output `out` shows; returns `out`."""
         task: long_docs_tasks.LongDocsTask = self.task
         if task.location_fact.text in out:
             self.achieve("found_location")

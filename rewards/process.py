@@ -11,8 +11,12 @@ Validity mode (default). Assistant turn i is judged from step_infos[i]:
 Process-reward-model mode: `scorer="pkg.module:fn"`, called as fn(traj, i) -> float for every
 assistant turn i;  per_turn[i] = scale * fn(traj, i).
 
-reduce="mean" divides every per_turn entry by the number of assistant turns, so the value is
-the mean instead of the sum. value = sum_i per_turn[i].
+reduce="mean" (the default) divides every per_turn entry by the number of assistant turns n, so the value
+is the mean: it lies in [invalid_reward, valid_reward] however many turns the episode takes.
+reduce="sum" leaves them: value = sum_i per_turn[i]. A sum pays for every extra well-formed turn, so a
+policy earns more by taking more turns (a long-docs reader of every page scores 20.8 against the
+outcome's 1.0), and RAFT's best-of-group ranking picks a success with a wasted turn over a clean one
+(docs/training.md, "Does it learn?").
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def process(
     require_call: bool = True,
     scorer: str | None = None,
     scale: float = 1.0,
-    reduce: str = "sum",
+    reduce: str = "mean",
 ) -> RewardResult:
     n = traj.n_assistant_turns
     components: dict[str, float] = {}

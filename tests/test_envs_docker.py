@@ -7,6 +7,7 @@ One module-scoped pool serves every test; each test runs a few short episodes.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -135,6 +136,38 @@ def test_long_docs_perfect_bad_and_reader(pool):
     assert chars > sum(len(t) for t in env.task.docs.values())  # the whole set was observed
     assert steps[-1][4]["success"] == 1.0
     env.close()
+
+
+def test_long_docs_in_process_tools_print_what_the_sandbox_prints(pool):
+    """use_sandbox=False (the SFT warm-up's data) gives the sandbox's observations, rewards and sub-goals,
+    for the oracle, bad calls and a reader of every page; its temporary documents go at close."""
+    from envs.tasks.long_docs import reader_actions
+
+    boxed = envs.make("long-docs", difficulty=0, sandbox_pool=pool, max_turns=30)
+    local = envs.make("long-docs", difficulty=0, use_sandbox=False, max_turns=30)
+    for seed in (2, 5):
+        boxed.reset(seed=seed)
+        task = boxed.task
+        plays = [
+            boxed.oracle_actions(),
+            [
+                format_tool_call("list_docs"),
+                format_tool_call("grep", {"pattern": "(["}),
+                format_tool_call("grep", {"pattern": "vault V-"}),
+                format_tool_call("read_doc", {"name": "doc_009.txt"}),
+                format_tool_call("read_doc", {"name": "doc_001.txt", "page": 99}),
+                format_tool_call("answer", {"code": task.code + 1}),
+            ],
+            reader_actions(task, calls_per_turn=2),
+        ]
+        for actions in plays:
+            boxed.reset(seed=seed)
+            local.reset(seed=seed)
+            assert _play(local, actions) == _play(boxed, actions)
+    folder = local._local.name
+    local.close()
+    boxed.close()
+    assert not os.path.exists(folder)
 
 
 # ---------------------------------------------------------------------------------------------- async path

@@ -77,14 +77,18 @@ def test_process_validity():
     assert turn_validity(traj3(infos[:2])) == [True, False, None]
     assert turn_validity(traj3([step(), step(infra_error="sandbox died")])) == [True, None, None]
 
-    r = process(traj3(infos, terminated=True), valid_reward=0.2, invalid_reward=-0.3)
+    r = process(traj3(infos, terminated=True), valid_reward=0.2, invalid_reward=-0.3, reduce="sum")
     assert r.per_turn == [0.2, -0.3, 0.2] and r.components == {"n_valid": 2.0, "n_invalid": 1.0}
-    r = process(traj3(infos, terminated=True), valid_reward=0.3, invalid_reward=-0.3, reduce="mean")
+    r = process(traj3(infos, terminated=True), valid_reward=0.3, invalid_reward=-0.3)  # the default: mean
     assert r.per_turn == pytest.approx([0.1, -0.1, 0.1]) and r.value == pytest.approx(0.1)
+    # the default does not pay for extra turns: six valid turns score what three do
+    six = make_traj([("prompt", 4)] + [("assistant", 2), ("observation", 2)] * 5 + [("assistant", 2)],
+                    step_infos=[step(tool_calls=1)] * 5 + [step(tool_calls=0)], terminated=True)  # fmt: skip
+    assert process(six).value == pytest.approx(0.1) and process(six, reduce="sum").value == pytest.approx(0.6)
 
 
 def test_process_reward_model_scorer():
-    r = process(traj3([step()] * 3), scorer="tests.custom_rewards:turn_index_scorer", scale=2.0)
+    r = process(traj3([step()] * 3), scorer="tests.custom_rewards:turn_index_scorer", scale=2.0, reduce="sum")
     assert r.per_turn == pytest.approx([0.2, 0.4, 0.6])
 
 

@@ -38,8 +38,8 @@ def codec() -> ChatCodec:
     return ChatCodec(load_tokenizer())
 
 
-def _env(difficulty: int):
-    return make_warmup_env("arith", {"difficulty": difficulty, "max_turns": 4})
+def _env(difficulty: int, env_id: str = "arith"):
+    return make_warmup_env(env_id, {"difficulty": difficulty, "max_turns": 4})
 
 
 class OracleEngine:
@@ -59,19 +59,24 @@ class OracleEngine:
         pass
 
 
-@pytest.mark.parametrize("difficulty,seed", [(0, 3), (1, 11), (2, 5)])
-def test_transcript_is_the_agent_loop_trajectory_and_mask_is_the_assistant_spans(codec, difficulty, seed):
-    env = _env(difficulty)
+@pytest.mark.parametrize(
+    "env_id,difficulty,seed", [("arith", 0, 3), ("arith", 1, 11), ("arith", 2, 5), ("long-docs", 0, 2)]
+)
+def test_transcript_is_the_agent_loop_trajectory_and_mask_is_the_assistant_spans(
+    codec, env_id, difficulty, seed
+):
+    env = _env(difficulty, env_id)
+    assert not env.uses_sandbox  # tools in-process: no Docker (long-docs: tests/test_envs_docker.py compares)
     tr = oracle_transcript(env, codec, seed)
     assert tr.success == 1.0
-    probe = _env(difficulty)
+    probe = _env(difficulty, env_id)
     messages, _ = probe.reset(seed=seed)
     actions = probe.oracle_actions()
     conv = list(messages)
     for a in actions:
         conv += [{"role": "assistant", "content": a}, *probe.step(a)[0]]
     traj = asyncio.run(
-        run_episode(OracleEngine(codec, actions), _env(difficulty), codec, EpisodeConfig(), seed=seed)
+        run_episode(OracleEngine(codec, actions), _env(difficulty, env_id), codec, EpisodeConfig(), seed=seed)
     )
     assert traj.outcome == 1.0 and traj.infra_error is None
     # the agent loop stops at the final </tool_call>; the transcript closes that turn with END_OF_TURN

@@ -74,21 +74,25 @@ def cmd_grep(root: str, pattern: str, page: int, size: int) -> str:
     )
 
 
-def main(argv: list[str]) -> int:
+def run(argv: list[str]) -> tuple[int, str]:
+    """(exit code, output) of the command line `argv` = [DIR, COMMAND, ARGS...]."""
     root, cmd, args = argv[0], argv[1], argv[2:]
     try:
         if cmd == "list":
-            print(cmd_list(root, int(args[0]), int(args[1])))
-        elif cmd == "read":
-            print(cmd_read(root, args[0], int(args[1]), int(args[2])))
-        elif cmd == "grep":
-            print(cmd_grep(root, args[0], int(args[1]), int(args[2])))
-        else:
-            raise LookupError(f"unknown command {cmd!r}")
+            return 0, cmd_list(root, int(args[0]), int(args[1]))
+        if cmd == "read":
+            return 0, cmd_read(root, args[0], int(args[1]), int(args[2]))
+        if cmd == "grep":
+            return 0, cmd_grep(root, args[0], int(args[1]), int(args[2]))
+        raise LookupError(f"unknown command {cmd!r}")
     except LookupError as err:
-        print(f"error: {err.args[0]}")
-        return 2
-    return 0
+        return 2, f"error: {err.args[0]}"
+
+
+def main(argv: list[str]) -> int:
+    code, out = run(argv)
+    print(out)
+    return code
 
 
 if __name__ == "__main__":

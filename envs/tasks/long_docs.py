@@ -171,10 +171,13 @@ def generate(seed: int, config: LongDocsConfig) -> LongDocsTask:
 
 
 def oracle_actions(task: LongDocsTask) -> list[str]:
-    """The scripted perfect policy: grep the artifact, read the code fact's page, answer."""
+    """The scripted perfect policy, using only what its observations show: grep the artifact (its output
+    is the location fact, naming the vault), grep that vault (its output adds the code fact), answer.
+    Each action copies from the text before it (question -> artifact, location fact -> vault, code fact
+    -> code), so a policy imitating it learns a skill it can apply, not a file position it cannot know."""
     return [
         format_tool_call("grep", {"pattern": task.artifact}),
-        format_tool_call("read_doc", {"name": task.code_fact.doc, "page": task.page_of(task.code_fact)}),
+        format_tool_call("grep", {"pattern": task.vault}),
         format_tool_call("answer", {"code": task.code}),
     ]
 
