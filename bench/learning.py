@@ -198,8 +198,9 @@ def plot(summary: dict, runs: list[dict]) -> None:
             )
             ax.scatter([x] * len(rs), [r[key]["success"] for r in rs], color="black", s=10, zorder=3)
         ticks.append(3 * g + 0.5)
+        extra = "".join(f"\n+ {o}" for o in FAMILIES[family].overrides)
         names.append(
-            f"{FAMILIES[family].label}\n{LABELS[variant]}\n{s['steps']} steps, "
+            f"{FAMILIES[family].label}\n{LABELS[variant]}{extra}\n{s['steps']} steps, "
             f"{s['eval_episodes']} eval eps, {len(rs)} seeds"
         )
     ax.axhline(0.85, ls="--", color="gray", lw=1)
