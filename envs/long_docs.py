@@ -10,8 +10,9 @@ shows the fact placing the artifact in its vault, `found_code` when one shows th
 `answer(code)` ends the episode with success 1.0 / 0.0. Trajectory length scales with the config:
 a policy reading everything (`envs.tasks.long_docs.reader_actions`) sees the whole set.
 With `use_sandbox=False` the documents go to a private temporary folder and the same script runs
-in-process (`docs.run`), with the same output: for the SFT warm-up's oracle transcripts and Docker-free
-smoke runs, not for model-written patterns at scale (no timeout there).
+in a killable child process (`envs.child_process.call_in_child` of `docs.run`, `tool_timeout_s` as in the
+sandbox, so a catastrophic regex times out), with the same output: for the SFT warm-up's oracle
+transcripts, its evaluation and Docker-free smoke runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from envs.child_process import call_in_child
 from envs.generated_task_env import GeneratedTaskEnv
 from envs.sandbox_scripts import docs as docs_script
 from envs.sandbox_scripts import script_source
@@ -119,7 +121,12 @@ class LongDocsEnv(GeneratedTaskEnv):
 
     async def _docs(self, *args: str) -> str:
         if not self.uses_sandbox:
-            code, out = await asyncio.to_thread(docs_script.run, [self._local.name, *args])
+            result, timed_out = await call_in_child(
+                docs_script.run, [self._local.name, *args], timeout_s=self.tool_timeout_s
+            )
+            if timed_out:
+                raise ToolError(f"timed out after {self.tool_timeout_s:g} s (simplify the pattern)")
+            code, out = result
             if code != 0:
                 raise ToolError(out.removeprefix("error: "))
             return self._credit(out)

@@ -164,6 +164,13 @@ def test_long_docs_in_process_tools_print_what_the_sandbox_prints(pool):
             boxed.reset(seed=seed)
             local.reset(seed=seed)
             assert _play(local, actions) == _play(boxed, actions)
+    # a catastrophic regex from model text times out in-process too (a killable child), as in the sandbox
+    slow = envs.make("long-docs", difficulty=0, use_sandbox=False, tool_timeout_s=1.0)
+    slow.reset(seed=2)
+    t0 = time.monotonic()
+    obs = slow.step(format_tool_call("grep", {"pattern": "^(([a-z ])+)+[0-9]$"}))
+    assert "timed out after 1 s" in obs[4]["tool_errors"][0] and time.monotonic() - t0 < 20
+    slow.close()
     folder = local._local.name
     local.close()
     boxed.close()
