@@ -143,11 +143,13 @@ class LongDocsEnv(GeneratedTaskEnv):
         return self._credit(out)
 
     def _credit(self, out: str) -> str:
-        """Achieve the sub-goals whose facts tool output `out` shows; returns `out`."""
+        """Achieve the sub-goals whose facts tool output `out` shows below its header line (the header echoes
+        a grep pattern: model text must not earn a sub-goal); returns `out`."""
         task: long_docs_tasks.LongDocsTask = self.task
-        if task.location_fact.text in out:
+        body = out.partition("\n")[2]
+        if task.location_fact.text in body:
             self.achieve("found_location")
-        if task.code_fact.text in out:
+        if task.code_fact.text in body:
             self.achieve("found_code")
         return out
 

@@ -164,6 +164,12 @@ def test_long_docs_in_process_tools_print_what_the_sandbox_prints(pool):
             boxed.reset(seed=seed)
             local.reset(seed=seed)
             assert _play(local, actions) == _play(boxed, actions)
+    # a pattern that spells a fact but matches nothing is echoed in the header: no sub-goal for it
+    for env in (boxed, local):
+        env.reset(seed=2)
+        forged = env.task.location_fact.text + " nowhere"
+        obs = env.step(format_tool_call("grep", {"pattern": forged}))
+        assert forged in obs[0][0]["content"] and obs[4]["subgoals"] == []
     # a catastrophic regex from model text times out in-process too (a killable child), as in the sandbox
     slow = envs.make("long-docs", difficulty=0, use_sandbox=False, tool_timeout_s=1.0)
     slow.reset(seed=2)
