@@ -32,9 +32,11 @@ Variants (overrides on the family's config):
   rl_outcome_only       the same without the process and sub-goal rewards. arith only.
 `--variants` / `--families` / `--seeds` run some of them; the results file keeps the runs of the others
 (and of other seeds of the same cell when they ran with the same steps and eval episodes), each with the
-steps and eval episodes it was run with (see "summary").
+steps and eval episodes it was run with (see "summary"). `--eval-every N` also evaluates every N steps
+(the same held-out tasks): each run's "curve".
 
     .venv/bin/python bench/learning.py [--families arith] [--variants rl_raft] [--steps 40] [--seeds 0 1 2]
+                                       [--eval-every 20]
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ FAMILIES = {
 }
 
 
-def run(family: str, variant: str, seed: int, steps: int, eval_episodes: int, out: Path) -> dict:
+def run(
+    family: str, variant: str, seed: int, steps: int, eval_episodes: int, out: Path, eval_every: int = 0
+) -> dict:
     from rich.console import Console
 
     from rl.config import load_config
@@ -113,7 +117,7 @@ def run(family: str, variant: str, seed: int, steps: int, eval_episodes: int, ou
         f"logging.run_dir={run_dir}",
         f"learner.steps={steps}",
         f"rollout.seed={seed}",
-        f"orchestrator.eval_every={steps}",
+        f"orchestrator.eval_every={eval_every or steps}",
         f"orchestrator.eval_episodes={eval_episodes}",
         "orchestrator.checkpoint_every=0",
         *VARIANTS[variant],
@@ -135,6 +139,7 @@ def run(family: str, variant: str, seed: int, steps: int, eval_episodes: int, ou
         "episodes_per_step": cfg.rollout.episodes,
         "sft": {k: first[k] for k in ("success", "greedy", "pass@4", "episodes", "infra_errors")},
         "rl": {k: last[k] for k in ("success", "greedy", "pass@4", "episodes", "infra_errors")},
+        "curve": [{"step": e["step"], "success": e["success"], "greedy": e["greedy"]} for e in evals],
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     print(
@@ -160,6 +165,8 @@ def summarize(runs: list[dict]) -> dict:
                 continue
             sft, rl = [r["sft"]["success"] for r in rs], [r["rl"]["success"] for r in rs]
             diff = [b - a for a, b in zip(sft, rl)]
+            curves = [{c["step"]: c["success"] for c in r.get("curve", [])} for r in rs]
+            common = sorted(set.intersection(*(set(c) for c in curves)))  # the steps every seed evaluated
             (ms, ses), (mr, ser), (md, sed) = mean_se(sft), mean_se(rl), mean_se(diff)
             out.setdefault(family, {})[variant] = {
                 "seeds": [r["seed"] for r in rs], "overrides": rs[0]["overrides"],
@@ -170,6 +177,7 @@ def summarize(runs: list[dict]) -> dict:
                 "diff_mean": md, "diff_se": sed,
                 "ratio_rl_over_sft": mr / ms if ms > 0 else None,
                 "target_met": bool(mr >= 1.5 * ms or md >= 0.3),
+                "curve_success_mean": {str(t): statistics.mean(c[t] for c in curves) for t in common},
             }  # fmt: skip
     return out
 
@@ -237,6 +245,9 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument(
+        "--eval-every", type=int, default=0, help="also evaluate every N steps (the curve); 0 = ends only"
+    )
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_learning"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -247,7 +258,7 @@ def main() -> int:
         if not ensure_warmup(family):
             return 1
         for seed in args.seeds:
-            runs.append(run(family, variant, seed, args.steps, args.eval_episodes, out))
+            runs.append(run(family, variant, seed, args.steps, args.eval_episodes, out, args.eval_every))
             write(runs)
     summary = write(runs)
     for family, vs in summary.items():
