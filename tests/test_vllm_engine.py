@@ -13,6 +13,7 @@ TorchEngine gives greedy continuations. One vLLM engine for the module (prefix c
 - concurrency: agenerate from many tasks == generate;
 - weight sync: update_weights -> parity with the new weights; wrong keys refused with nothing loaded;
 - bad input: prompt over max_model_len, unknown architecture, failed engine start naming the fix.
+- multi-process engine (the core in its own process): parity, then update_weights, over vLLM's RPC.
 """
 
 from __future__ import annotations
@@ -293,3 +294,37 @@ def test_failed_engine_start_names_the_fix(ckpt):
     expected = re.compile(r"vLLM failed to start.*Fix: lower max_model_len", re.S)
     with pytest.raises(RuntimeError, match=expected):
         VllmEngine(str(ckpt[0]), max_model_len=10**9)
+
+
+# ----------------------------------------------------------------------------- multi-process engine
+def test_multiprocess_engine_parity_and_weight_update(ckpt, monkeypatch, tmp_path):
+    """The engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default and what tensor
+    parallelism uses): routing, timing and weight reloads cross vLLM's msgpack RPC (worker methods called
+    by name, no pickled functions); parity with the trainer holds, before and after update_weights."""
+    require_vllm()
+    import vllm.envs
+
+    from rl.rollout.vllm_engine import VllmEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    vllm.envs.disable_envs_cache()  # an in-process engine of this module froze vLLM's reads of the env
+    eng = VllmEngine(str(ckpt[0]), max_model_len=MAX_LEN, max_num_seqs=4)
+    try:
+        assert type(eng.core.engine_core).__name__ == "SyncMPClient"  # the core runs in another process
+        sp = SamplingParams(temperature=1.0, max_new_tokens=24)
+        prompts = [prompt(90, 9), prompt(91, 130)]
+        for p, res in zip(prompts, eng.generate([GenerationRequest(p, sp) for p in prompts])):
+            lp, routed = trainer_view(ckpt[1], p + res.token_ids, len(p))
+            assert (lp - torch.tensor(res.logprobs)).abs().max().item() <= LOGPROB_TOL
+            assert routing_agreement(engine_routing(res), routed) >= ROUTING_MIN
+        assert eng.worker_timing()["forwards"] > 0
+        new = save_policy("tiny", tmp_path / "new", seed=7, bias_std=0.5)
+        eng.update_weights(new.state_dict(), version=1)
+        greedy = SamplingParams(temperature=0, max_new_tokens=12)
+        res = eng.generate([GenerationRequest(prompts[1], greedy)])[0]
+        ref = TorchEngine(new).generate([GenerationRequest(prompts[1], greedy)])[0]
+        assert res.token_ids == ref.token_ids and res.weight_version == 1
+        assert np.array_equal(engine_routing(res), engine_routing(ref))
+    finally:
+        eng.shutdown()

@@ -36,10 +36,3 @@ def attention_hf_overrides(config: dict) -> dict[str, int]:
     mla_kv_lora_rank. Pass as ``hf_overrides`` (``--hf-overrides`` for `vllm serve`)."""
     return {"num_attention_heads": int(config["mla_num_heads"]), "num_key_value_heads": 1,
             "head_dim": int(config["mla_kv_lora_rank"])}
-
-
-def checkpoint_names_rpc(worker) -> list[str]:
-    """Run through `LLM.collective_rpc`: the tensor names the loaded model takes from a checkpoint."""
-    from model.vllm_plugin.modeling import checkpoint_names
-
-    return sorted(checkpoint_names(worker.model_runner.get_model()))

@@ -22,6 +22,8 @@ Profile / warm-up forwards carry no metadata: the layer then runs statelessly an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
@@ -87,27 +89,64 @@ class VllmKDA(KDAttention, MambaBase):
         # vLLM puts the decode requests (one new token each) first: they take the recurrent step, the
         # rest (prefills, continuations) the chunkwise form; a mixed batch through chunk_kda alone would
         # pad every decode row to a whole chunk
-        nd, n = meta.num_decodes, meta.num_prefills + meta.num_decodes
-        qsl, d_tok = meta.query_start_loc, meta.num_decode_tokens
-        parts = []
-        if nd:
-            parts.append(self._run(x[:d_tok], qsl[: nd + 1], meta, 0, nd))
-        if n > nd:
-            parts.append(self._run(x[d_tok:], qsl[nd : n + 1] - qsl[nd], meta, nd, n))
+        parts = [self._run(x[t0:t1], group) for t0, t1, group in _step_plan(meta)]
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
 
-    def _run(self, x: torch.Tensor, cu: torch.Tensor, meta, a: int, b: int) -> torch.Tensor:
-        """Requests a..b-1 of the batch (tokens x, local cu_seqlens): gather their states, run the layer,
-        write the states back."""
-        slots = meta.state_indices_tensor[a:b].long()
-        q_lens = cu[1:] - cu[:-1]
-        fresh = (meta.seq_lens[a:b] - q_lens) == 0  # no computed tokens yet: start from zeros
+    def _run(self, x: torch.Tensor, group: _Group) -> torch.Tensor:
+        """One group of the batch (its tokens x): gather its requests' states, run the layer (the decode
+        step or the chunkwise form, as `KDAttention.forward` picks them), write the states back."""
         conv_cache, rec_cache = self.kv_cache
-        rec, conv = rec_cache[slots], conv_cache[slots]
-        if bool(fresh.any()):
-            rec[fresh] = 0.0
-            conv[fresh] = 0.0
-        y, new = KDAttention.forward(self, x, cu.to(torch.int32), KDALayerState(rec, conv))
-        rec_cache[slots] = new.recurrent
-        conv_cache[slots] = new.conv.to(conv_cache.dtype)
+        rec, conv = rec_cache.index_select(0, group.slots), conv_cache.index_select(0, group.slots)
+        if group.fresh is not None:  # no computed tokens yet: start from zeros
+            rec.index_fill_(0, group.fresh, 0.0)
+            conv.index_fill_(0, group.fresh, 0.0)
+        state = KDALayerState(rec, conv)
+        out = self.decode_step_fused(x, state) if group.decode else self.forward_fused(x, group.lens, state)
+        y, new = out if out is not None else KDAttention.forward(self, x, group.cu, state)
+        rec_cache.index_copy_(0, group.slots, new.recurrent)
+        conv_cache.index_copy_(0, group.slots, new.conv.to(conv_cache.dtype))
         return y
+
+
+@dataclass
+class _Group:
+    """Requests a..b-1 of a step that run together: cu [n+1] int32 (local cu_seqlens), lens, their state
+    slots [n] int64, the rows with no computed tokens [f] int64 (None if there are none), decode: every
+    request has one new token."""
+
+    cu: torch.Tensor
+    lens: list[int]
+    slots: torch.Tensor
+    fresh: torch.Tensor | None
+    decode: bool
+
+
+_plans: dict[int, tuple] = {}  # id(metadata) -> (metadata, plan) of the current forward; see `new_step`
+
+
+def new_step() -> None:
+    """Forget the step plan (the model calls this at the start of every forward: vLLM may reuse and
+    update its metadata objects from one step to the next)."""
+    _plans.clear()
+
+
+def _step_plan(meta) -> list[tuple[int, int, _Group]]:
+    """(first token, end token, group) of the decode and the prefill group of a step, computed once per
+    forward and metadata object (vLLM's hybrid cache groups: each is shared by a few KDA layers)."""
+    hit = _plans.get(id(meta))
+    if hit is not None and hit[0] is meta:
+        return hit[1]
+    nd, n = meta.num_decodes, meta.num_prefills + meta.num_decodes
+    qsl = meta.query_start_loc
+    plan = []
+    for a, b in ((0, nd), (nd, n)):
+        if b == a:
+            continue
+        cu = (qsl[a: b + 1] - qsl[a]).to(torch.int32)
+        q_lens = cu[1:] - cu[:-1]
+        fresh = torch.nonzero((meta.seq_lens[a:b] - q_lens) == 0).flatten()
+        group = _Group(cu, q_lens.tolist(), meta.state_indices_tensor[a:b].long(),
+                       fresh if fresh.numel() else None, decode=b == nd)
+        plan.append((int(qsl[a]), int(qsl[b]), group))
+    _plans[id(meta)] = (meta, plan)
+    return plan

@@ -30,7 +30,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from model.config import OdysseyConfig
 from model.fused_weights import clear_weight_caches
 from model.modeling import OdysseyDecoderLayer, OdysseyModel
-from model.vllm_plugin.kda import VllmKDA, kda_layer_name, kda_state_dtypes, kda_state_shapes
+from model.vllm_plugin.kda import VllmKDA, kda_layer_name, kda_state_dtypes, kda_state_shapes, new_step
 from model.vllm_plugin.mla import VllmGatedMLA, mla_attention_name
 from model.vllm_plugin.moe import VllmLatentMoE
 from model.vllm_plugin.routing import RoutedExpertsLog
@@ -117,6 +117,7 @@ class OdysseyVllmForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if inputs_embeds is not None:
             raise ValueError("OdysseyVllmForCausalLM takes token ids, not inputs_embeds")
         t0 = time.perf_counter()
+        new_step()
         T = input_ids.shape[0]
         cu = self._batch_layout(T, input_ids.device)
         n = int(cu[-1])

@@ -37,6 +37,9 @@ import asyncio
 import itertools
 import json
 import os
+import pickle
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -146,6 +149,7 @@ class VllmEngine:
         if current_platform.is_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         import model.vllm_plugin as plugin
+        from model.vllm_plugin.worker_extension import WORKER_EXTENSION
 
         plugin.register()  # the entry point does this in vLLM's own processes; here for this one
         from vllm import LLM
@@ -162,6 +166,7 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             seed=seed,
             hf_overrides=plugin.attention_hf_overrides(cfg),
+            worker_extension_cls=WORKER_EXTENSION,  # the odyssey_* methods called below by name
         )
         kwargs.update(engine_kwargs)
         t0 = time.perf_counter()
@@ -177,11 +182,14 @@ class VllmEngine:
         self.prefix_caching = bool(vcfg.cache_config.enable_prefix_caching)
         self.block_size = int(vcfg.cache_config.block_size)
         self.max_batch_size = int(vcfg.scheduler_config.max_num_seqs)
+        from vllm.v1.engine.core_client import InprocClient
+
+        self._in_process = isinstance(self.core.engine_core, InprocClient)  # else the core is a process
         from model.vllm_plugin import routing
 
         self._routing = routing
-        self.llm.collective_rpc(routing.install)
-        self._param_names = set(self.llm.collective_rpc(plugin.checkpoint_names_rpc)[0])
+        self.llm.collective_rpc("odyssey_install_routing")
+        self._param_names = set(self.llm.collective_rpc("odyssey_checkpoint_names")[0])
         self._lock = threading.Lock()  # one engine call at a time (steps, weight updates)
         # vLLM's CPU attention checks that its metadata and its kernel see the same OpenMP thread count,
         # an ICV of the calling thread: every thread that steps the engine is pinned to this process's
@@ -214,11 +222,21 @@ class VllmEngine:
             raise ValueError(f"update_weights: state_dict does not match the model: missing={missing[:5]} "
                              f"unexpected={unexpected[:5]} (pass OdysseyForCausalLM.state_dict() of the same "
                              "config)")
-        weights = [(k, v.detach()) for k, v in state_dict.items()]
         t0 = time.perf_counter()
         with self._lock:
-            self.llm.collective_rpc("reload_weights",
-                                    kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+            if self._in_process:
+                weights = [(k, v.detach()) for k, v in state_dict.items()]
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+            else:  # the engine core is another process: the tensors go through a file (RAM-backed if we can)
+                nbytes = sum(v.numel() * v.element_size() for v in state_dict.values())
+                shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+                if shm is not None and shutil.disk_usage(shm).free < 2 * nbytes:
+                    shm = None  # a small /dev/shm (containers): the default temporary directory
+                with tempfile.TemporaryDirectory(dir=shm, prefix="odyssey-weights-") as d:
+                    path = os.path.join(d, "state_dict.pt")
+                    torch.save({k: v.detach() for k, v in state_dict.items()}, path)
+                    self.llm.collective_rpc("odyssey_reload_weights_file", args=(path,))
             if self.prefix_caching and not self.core.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError("update_weights: vLLM could not reset its prefix cache after the reload")
             self._version = int(version)
@@ -282,7 +300,7 @@ class VllmEngine:
     def worker_timing(self) -> dict[str, float]:
         """Seconds spent in the model runner's execute_model and in the model's forward (cumulative)."""
         with self._lock:
-            return self.llm.collective_rpc(self._routing.timing)[0]
+            return self.llm.collective_rpc("odyssey_timing")[0]
 
     def shutdown(self) -> None:
         """Stop the vLLM engine and free its caches (the engine is unusable afterwards)."""
@@ -412,7 +430,8 @@ class VllmEngine:
                 self.core.abort_request(live)
             if not done:
                 return []
-            rows = self.llm.collective_rpc(self._routing.take, args=([r.int_id for r in done],))[0]
+            taken = self.llm.collective_rpc("odyssey_take_routing", args=([r.int_id for r in done],))[0]
+            rows = pickle.loads(taken)
             return [(r, self._result(r, rows.get(r.int_id))) for r in done]
 
     def _take_tokens(self, r: _VReq, token_ids: list[int], logprobs: Any) -> None:
@@ -465,4 +484,4 @@ class VllmEngine:
         if ids:
             with self._lock:
                 self.core.abort_request(ids)
-                self.llm.collective_rpc(self._routing.take, args=([r.int_id for r in reqs if r.int_id],))
+                self.llm.collective_rpc("odyssey_take_routing", args=([r.int_id for r in reqs if r.int_id],))
