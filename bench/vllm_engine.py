@@ -8,7 +8,9 @@
 2. sessions: the tiny agent loop at concurrency 8 with vLLM's prefix cache on (continuations re-send the
    conversation and hit the session's own blocks) and off (every turn re-prefills everything);
 3. engine start seconds and weight-update seconds (state_dict -> engine, in place) for both engines;
-4. (not the agent loop) single-turn decode of 32 requests together: decode-dominated batches.
+4. (not the agent loop) single-turn decode of 32 requests together: decode-dominated batches; on tiny
+   also a peer: vLLM serving a dense Llama of the same active size with its own model code, eager and
+   compiled (vLLM's CPU compile path: Dynamo + Inductor), each in a fresh process, same prompts.
 
 One intra-op thread for both engines (vLLM sets it for serving on this machine; TorchEngine gets the same).
 The machine is shared: each comparison is repeated in rounds that alternate which engine runs first, and
@@ -26,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -135,22 +138,81 @@ def warm_up(engine) -> None:
         engine.generate([GenerationRequest([16, 17, 18], SamplingParams(max_new_tokens=4))] * n)
 
 
-def single_turn(torch_engine, vllm_engine, vocab: int, n: int = 32, new: int = 64) -> dict:
-    """Not the agent loop: n single-turn requests (prompts of 100..300 tokens) decoded together for `new`
-    tokens, i.e. decode-dominated batches with no session continuations."""
+def single_turn_prompts(vocab: int, n: int = 32) -> list[list[int]]:
+    """n prompts of 100..300 random tokens (the same in every process: seeded)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(16, vocab, (100 + 200 * i // n,), generator=g).tolist() for i in range(n)]
+
+
+def median_rate(run, repeats: int = 3) -> dict:
+    """run() -> generated tokens; median and all of `repeats` generated tok/s (after one warm-up call)."""
+    run()
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        rates.append(run() / (time.perf_counter() - t))
+    return {"tok_s": statistics.median(rates), "rounds": rates}
+
+
+def single_turn(torch_engine, vllm_engine, vocab: int, peer: bool, new: int = 64) -> dict:
+    """Not the agent loop: 32 single-turn requests (prompts of 100..300 tokens) decoded together for `new`
+    tokens, i.e. decode-dominated batches with no session continuations. With `peer`, the same prompts on
+    vLLM serving a dense Llama of the same active size (vLLM's own model code, eager and compiled; each in a
+    fresh process): what vLLM does on this CPU with a model it knows."""
     from rl.rollout.engine import GenerationRequest
     from rl.rollout.sampling import SamplingParams
 
-    g = torch.Generator().manual_seed(0)
-    reqs = [GenerationRequest(torch.randint(16, vocab, (100 + 200 * i // n,), generator=g).tolist(),
-                              SamplingParams(max_new_tokens=new)) for i in range(n)]
+    reqs = [GenerationRequest(p, SamplingParams(max_new_tokens=new)) for p in single_turn_prompts(vocab)]
     out = {}
     for name, eng in (("torch", torch_engine), ("vllm", vllm_engine)):
-        t = time.perf_counter()
-        res = eng.generate(reqs)
-        out[f"{name}_generated_tok_s"] = sum(len(r.token_ids) for r in res) / (time.perf_counter() - t)
+        r = median_rate(lambda eng=eng: sum(len(x.token_ids) for x in eng.generate(reqs)))
+        out[f"{name}_generated_tok_s"], out[f"{name}_rounds"] = r["tok_s"], r["rounds"]
     out["vllm_vs_torch"] = out["vllm_generated_tok_s"] / out["torch_generated_tok_s"]
+    if peer:
+        for mode in ("eager", "compiled"):
+            proc = subprocess.run([sys.executable, __file__, "--llama-peer", mode, "--new", str(new)],
+                                  capture_output=True, text=True, timeout=900)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PEER ")]
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError(f"dense Llama peer ({mode}) failed:\n{proc.stderr[-3000:]}")
+            peer_out = json.loads(lines[-1][5:])
+            out[f"dense_llama_vllm_{mode}"] = peer_out
+            for name in ("torch", "vllm"):
+                out[f"{name}_vs_dense_llama_vllm_{mode}"] = out[f"{name}_generated_tok_s"] / peer_out["tok_s"]
     return out
+
+
+def llama_peer(mode: str, new: int) -> dict:
+    """In its own process: vLLM serving `bench/vs_llama.py`'s dense Llama of tiny's active size (random
+    weights) on `single_turn_prompts`, `enforce_eager` (mode 'eager') or vLLM's compiled CPU path
+    (Dynamo + Inductor, mode 'compiled'); temperature 1 with processed log-probs, as VllmEngine asks."""
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.inputs import TokensPrompt
+    from vs_llama import llama_like
+
+    from model.config import OdysseyConfig
+    from model.count import count_parameters
+
+    cfg = OdysseyConfig.from_preset("tiny")
+    llama, active = llama_like(cfg, 2048)
+    with tempfile.TemporaryDirectory() as d:
+        llama.save_pretrained(d)
+        t = time.perf_counter()
+        llm = LLM(model=d, skip_tokenizer_init=True, enforce_eager=mode == "eager", max_model_len=2048,
+                  max_num_seqs=64, dtype="float32", logprobs_mode="processed_logprobs", seed=0)
+        start = time.perf_counter() - t
+        sp = VllmSamplingParams(max_tokens=new, ignore_eos=True, temperature=1.0, logprobs=0,
+                                detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in single_turn_prompts(cfg.vocab_size)]
+        t = time.perf_counter()
+        llm.generate(prompts[:4], sp, use_tqdm=False)  # the compiled path compiles on first use
+        first = time.perf_counter() - t
+        r = median_rate(lambda: sum(len(o.outputs[0].token_ids)
+                                    for o in llm.generate(prompts, sp, use_tqdm=False)))
+    return {"mode": mode, "engine_start_s": start, "first_request_s": first, "active_params": active,
+            "llama_params": sum(p.numel() for p in llama.parameters()),
+            "odyssey_active_params": count_parameters(cfg).active, **r}
 
 
 def timed(fn, repeats: int = 3) -> float:
@@ -195,7 +257,8 @@ def preset_section(preset: str, concurrencies: list[int], episodes_per: int, new
             print(f"{preset} c={c}: vllm/torch generated tok/s x{r['vllm_vs_torch_generated_tok_s']:.2f} "
                   f"(per CPU second x{r['vllm_vs_torch_tok_per_cpu_s']:.2f})", flush=True)
         vocab = policy.config.vocab_size
-        out["single_turn_decode_concurrency_32"] = single_turn(torch_engine, vllm_engine, vocab)
+        out["single_turn_decode_concurrency_32"] = single_turn(torch_engine, vllm_engine, vocab,
+                                                               peer=preset == "tiny")
         vllm_engine.shutdown()
         if prefix_cache_off:
             # the same episodes with the prefix cache off: every turn re-prefills the whole conversation.
@@ -226,8 +289,13 @@ def preset_section(preset: str, concurrencies: list[int], episodes_per: int, new
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer episodes (smoke run)")
+    ap.add_argument("--llama-peer", choices=["eager", "compiled"], help=argparse.SUPPRESS)
+    ap.add_argument("--new", type=int, default=64, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.llama_peer:  # the dense Llama peer's own process (single_turn)
+        print("PEER " + json.dumps(llama_peer(args.llama_peer, args.new)), flush=True)
+        return
     episodes_per, repeats = (1, 1) if args.quick else (2, 3)
     t0 = time.perf_counter()
     tiny = preset_section("tiny", [8, 32], episodes_per, new_tokens=64, turns=3, prefix_cache_off=True,
@@ -247,6 +315,11 @@ def main() -> None:
     print(json.dumps({k: {c: [v[c]["vllm_vs_torch_generated_tok_s"], v[c]["vllm_vs_torch_tok_per_cpu_s"]]
                           for c in v if c.startswith("concurrency")}
                       for k, v in (("tiny", tiny), ("small", small))}, indent=2))
+    st = tiny["single_turn_decode_concurrency_32"]
+    print("single turn, tiny: tok/s torch {:.0f}, vllm {:.0f}, dense Llama on vLLM eager {:.0f}, "
+          "compiled {:.0f}"
+          .format(st["torch_generated_tok_s"], st["vllm_generated_tok_s"],
+                  st["dense_llama_vllm_eager"]["tok_s"], st["dense_llama_vllm_compiled"]["tok_s"]))
     print(f"wrote {RESULTS}")
 
 
