@@ -192,7 +192,6 @@ def llama_peer(mode: str, new: int) -> dict:
     from vs_llama import llama_like
 
     from model.config import OdysseyConfig
-    from model.count import count_parameters
 
     cfg = OdysseyConfig.from_preset("tiny")
     llama, active = llama_like(cfg, 2048)
@@ -211,8 +210,7 @@ def llama_peer(mode: str, new: int) -> dict:
         r = median_rate(lambda: sum(len(o.outputs[0].token_ids)
                                     for o in llm.generate(prompts, sp, use_tqdm=False)))
     return {"mode": mode, "engine_start_s": start, "first_request_s": first, "active_params": active,
-            "llama_params": sum(p.numel() for p in llama.parameters()),
-            "odyssey_active_params": count_parameters(cfg).active, **r}
+            "llama_params": sum(p.numel() for p in llama.parameters()), **r}
 
 
 def timed(fn, repeats: int = 3) -> float:

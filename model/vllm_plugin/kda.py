@@ -93,16 +93,14 @@ class VllmKDA(KDAttention, MambaBase):
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
 
     def _run(self, x: torch.Tensor, group: _Group) -> torch.Tensor:
-        """One group of the batch (its tokens x): gather its requests' states, run the layer (the decode
-        step or the chunkwise form, as `KDAttention.forward` picks them), write the states back."""
+        """One group of the batch (its tokens x): gather its requests' states, run the layer, write the
+        states back."""
         conv_cache, rec_cache = self.kv_cache
         rec, conv = rec_cache.index_select(0, group.slots), conv_cache.index_select(0, group.slots)
         if group.fresh is not None:  # no computed tokens yet: start from zeros
             rec.index_fill_(0, group.fresh, 0.0)
             conv.index_fill_(0, group.fresh, 0.0)
-        state = KDALayerState(rec, conv)
-        out = self.decode_step_fused(x, state) if group.decode else self.forward_fused(x, group.lens, state)
-        y, new = out if out is not None else KDAttention.forward(self, x, group.cu, state)
+        y, new = KDAttention.forward(self, x, group.cu, KDALayerState(rec, conv))
         rec_cache.index_copy_(0, group.slots, new.recurrent)
         conv_cache.index_copy_(0, group.slots, new.conv.to(conv_cache.dtype))
         return y
@@ -110,15 +108,12 @@ class VllmKDA(KDAttention, MambaBase):
 
 @dataclass
 class _Group:
-    """Requests a..b-1 of a step that run together: cu [n+1] int32 (local cu_seqlens), lens, their state
-    slots [n] int64, the rows with no computed tokens [f] int64 (None if there are none), decode: every
-    request has one new token."""
+    """Requests a..b-1 of a step that run together: cu [n+1] int32 (local cu_seqlens), their state slots
+    [n] int64, the rows with no computed tokens [f] int64 (None if there are none)."""
 
     cu: torch.Tensor
-    lens: list[int]
     slots: torch.Tensor
     fresh: torch.Tensor | None
-    decode: bool
 
 
 _plans: dict[int, tuple] = {}  # id(metadata) -> (metadata, plan) of the current forward; see `new_step`
@@ -145,8 +140,7 @@ def _step_plan(meta) -> list[tuple[int, int, _Group]]:
         cu = (qsl[a: b + 1] - qsl[a]).to(torch.int32)
         q_lens = cu[1:] - cu[:-1]
         fresh = torch.nonzero((meta.seq_lens[a:b] - q_lens) == 0).flatten()
-        group = _Group(cu, q_lens.tolist(), meta.state_indices_tensor[a:b].long(),
-                       fresh if fresh.numel() else None, decode=b == nd)
+        group = _Group(cu, meta.state_indices_tensor[a:b].long(), fresh if fresh.numel() else None)
         plan.append((int(qsl[a]), int(qsl[b]), group))
     _plans[id(meta)] = (meta, plan)
     return plan

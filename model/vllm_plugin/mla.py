@@ -19,11 +19,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 
-from model import fused_cpu
-from model.fused_weights import small_linear
 from model.mla import GatedMLA
-
-SMALL_BATCH = 64  # tokens up to which the input projections run as one matmul (decode steps)
 
 
 def mla_attention_name(layer_idx: int) -> str:
@@ -51,27 +47,8 @@ class VllmGatedMLA(GatedMLA):
         if past is not None or absorb is False:
             raise ValueError("VllmGatedMLA attends through vLLM's cache (absorbed form only); no past/absorb")
         T = x.shape[0]
-        if T <= SMALL_BATCH and fused_cpu.applies(x, self.kv_a_proj.weight) is not None:
-            q, c, gate = self._project_small(x)
-        else:
-            q, c, gate = self.project_q(x), self.compress_kv(x), None
-        q_lat = self.absorb_query(q)  # [T, H, R]
+        q_lat = self.absorb_query(self.project_q(x))  # [T, H, R]
+        c = self.compress_kv(x)  # [T, R]
         o_lat = self.attn(q_lat.reshape(T, -1).contiguous(), c, c)  # [T, H*R]
-        o = self.expand_output(o_lat.view(T, self.num_heads, self.kv_lora_rank)).reshape(T, -1)
-        if gate is not None:
-            return small_linear(torch.sigmoid(gate) * o, self.o_proj), None
-        return self.gated_output(x, o), None
-
-    def _project_small(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`project_q`, `compress_kv` and the gate's W_g x of a few tokens (decode steps) as ONE matmul over
-        the concatenated weights, as `GatedMLA.decode_step_fused` does: x [T, D] -> (q [T, H, Dh],
-        c [T, R], W_g x [T, H*Dh])."""
-        T, R = x.shape[0], self.kv_lora_rank
-        q_w = self.q_a_proj.weight if self.q_lora_rank > 0 else self.q_proj.weight
-        proj = x @ self._decode_in_weight(q_w, self.kv_a_proj.weight, self.g_proj.weight)
-        nq = q_w.shape[0]
-        q = proj[:, :nq]
-        if self.q_lora_rank > 0:
-            q = small_linear(self.q_a_norm(q), self.q_b_proj)
-        c = self.kv_a_norm(proj[:, nq:nq + R])
-        return q.reshape(T, self.num_heads, self.head_dim), c, proj[:, nq + R:]
+        o = self.expand_output(o_lat.view(T, self.num_heads, self.kv_lora_rank))
+        return self.gated_output(x, o.reshape(T, -1)), None

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pickle
 
+import torch
+
 from model.vllm_plugin import routing
 
 WORKER_EXTENSION = "model.vllm_plugin.worker_extension.OdysseyWorkerExtension"
@@ -36,8 +38,6 @@ class OdysseyWorkerExtension:
     def odyssey_reload_weights_file(self, path: str) -> None:
         """`reload_weights` from a state dict that `VllmEngine.update_weights` saved with torch.save (a
         multi-process engine: tensors do not cross vLLM's RPC)."""
-        import torch
-
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.reload_weights(weights_iterator=list(state.items()), is_checkpoint_format=True)
 
