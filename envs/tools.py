@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import re
 import types
 import typing
@@ -186,8 +187,21 @@ class ToolSpec:
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         """Arguments checked against the signature, ints widened to float where a float is expected.
 
-        Raises `ToolArgumentError` listing every problem (missing, unexpected, wrong type).
+        Raises `ToolArgumentError` listing every problem (missing, unexpected, wrong type, a number
+        beyond the float range). The arguments are model text: whatever else goes wrong while checking
+        them is reported as a `ToolArgumentError` too, never raised as anything else.
         """
+        try:
+            return self._validate(arguments)
+        except ToolArgumentError:
+            raise
+        except Exception as err:  # a value no check foresaw: still the model's bad argument
+            raise ToolArgumentError(
+                f"bad arguments for tool '{self.name}': cannot check them ({type(err).__name__}: "
+                f"{str(err)[:200]}). Expected: {self.signature()}"
+            ) from err
+
+    def _validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         problems: list[str] = []
         known = {p.name: p for p in self.params}
         unexpected = sorted(set(arguments) - set(known))
@@ -250,7 +264,15 @@ def _check(value: Any, schema: dict[str, Any], where: str) -> Any:
     if kind == "number":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
-        return float(value)
+        try:  # an integer literal beyond the float range (309+ digits) has no float value
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ToolArgumentError(
+                f"'{where}' must be a finite number (at most about 1.8e308), got {_short(value)}"
+            )
+        return number
     if kind == "string":
         if not isinstance(value, str):
             raise bad

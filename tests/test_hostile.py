@@ -588,6 +588,154 @@ def test_an_env_failing_on_most_of_a_batch_stops_the_run(codec, tmp_path):
     assert report.infra_by_env == {"fragile": len(stored)} and report.infra_by_source == {"env": len(stored)}
 
 
+# ============================================================================= tool arguments (fuzz)
+# JSON values exactly as a model would write them in "arguments": numbers beyond float range (an integer of
+# 309-4300 digits is valid JSON the parser accepts, and float() of it raises OverflowError), NaN/Infinity
+# literals, wrong types, deep nesting, huge strings. Each becomes the policy's error (an observation) or a
+# valid call, never an exception out of env.step and never an infra error.
+HOSTILE_VALUES = {
+    "int_400_digits": "1" + "0" * 400,
+    "neg_int_400_digits": "-" + "9" * 400,
+    "int_4300_digits": "1" + "0" * 4299,
+    "int_5000_digits": "1" + "0" * 4999,
+    "float_overflow": "1e400",
+    "float_underflow": "2e-400",
+    "nan": "NaN",
+    "infinity": "Infinity",
+    "neg_infinity": "-Infinity",
+    "string": '"12"',
+    "empty_string": '""',
+    "megabyte_string": '"' + "7" * (1 << 20) + '"',
+    "null": "null",
+    "true": "true",
+    "list": "[1, 2]",
+    "object": '{"value": 1}',
+    "deep_list": "[" * 900 + "]" * 900,
+    "deep_object": '{"a": ' * 400 + "1" + "}" * 400,
+    "negative_zero": "-0",
+}
+
+
+def _builtin_tool_params() -> list[tuple[str, str, str]]:
+    """(env id, tool name, parameter name) of every parameter of every built-in env's tools."""
+    from envs.registry import list_envs
+
+    out = []
+    for entry in list_envs():
+        if entry.source != "builtin":
+            continue
+        for spec in entry.factory._tool_specs.values():
+            out.extend((entry.id, spec.name, p.name) for p in spec.params)
+    assert {e for e, _, _ in out} >= {"arith", "code-repair", "long-docs"}, out
+    return out
+
+
+def _env_class(env_id: str) -> type:
+    from envs.registry import list_envs
+
+    return next(e.factory for e in list_envs() if e.id == env_id)
+
+
+def _valid_argument(schema: dict) -> object:
+    return {"integer": 1, "number": 1.0, "string": "x", "boolean": True, "array": [], "object": {}}[
+        schema["type"]
+    ]
+
+
+def _hostile_turn(spec, param: str, literal: str) -> str:
+    """One tool call whose `param` is the raw JSON `literal`, the other required ones valid."""
+    others = {p.name: _valid_argument(p.schema) for p in spec.params if p.required and p.name != param}
+    body = json.dumps({"name": spec.name, "arguments": {**others, param: "@@HOLE@@"}})
+    return "<tool_call>" + body.replace('"@@HOLE@@"', literal) + "</tool_call>"
+
+
+def _accepts(spec, param: str, literal: str) -> bool:
+    """Does the tool take `literal` for `param` (parsed and validated)?"""
+    from envs.tool_call import ToolCall, parse_tool_calls
+    from envs.tools import ToolArgumentError
+
+    [call] = parse_tool_calls(_hostile_turn(spec, param, literal))
+    if not isinstance(call, ToolCall):
+        return False
+    try:
+        spec.validate(call.arguments)
+    except ToolArgumentError:
+        return False
+    return True
+
+
+def test_every_builtin_tool_argument_survives_hostile_json_values():
+    """Every parameter of every built-in tool, fed each hostile value: the parser + `ToolSpec.validate`
+    either accept it (a finite, typed value) or raise ToolArgumentError; nothing else escapes."""
+    from envs.tool_call import ToolCall, parse_tool_calls
+    from envs.tools import ToolArgumentError
+
+    checked = 0
+    for env_id, tool_name, param in _builtin_tool_params():
+        spec = _env_class(env_id)._tool_specs[tool_name]
+        for kind, literal in HOSTILE_VALUES.items():
+            [call] = parse_tool_calls(_hostile_turn(spec, param, literal))
+            if not isinstance(call, ToolCall):
+                continue  # the parser refused it: an observation already (the episode test covers it)
+            try:
+                args = spec.validate(call.arguments)
+            except ToolArgumentError as err:
+                assert tool_name in str(err), (env_id, tool_name, param, kind, err)
+            else:
+                value = args[param]
+                assert not isinstance(value, float) or value == value and abs(value) != float("inf"), kind
+            checked += 1
+    assert checked > 100, checked
+
+
+@pytest.mark.parametrize("env_id", ["arith", "long-docs"])
+def test_hostile_tool_arguments_are_scored_episodes_and_storable(codec, env_id, tmp_path):
+    """Issue 33's reproduction and its class: every hostile value for every parameter of the env's tools,
+    played through run_episode (one value per turn, in-process tools), then the right answer. The episode
+    has no infra error, is scored a success, every bad value is a tool error the model reads, and the
+    trajectory (with the hostile arguments in its step infos) is stored and read back intact."""
+    from rewards import compose, is_trainable
+    from rl.trajectory import TrajectoryStore
+
+    env_cls = _env_class(env_id)
+    turns = [
+        _hostile_turn(spec, p.name, literal)
+        for spec in env_cls._tool_specs.values()
+        if spec.name != "answer"
+        for p in spec.params
+        for literal in HOSTILE_VALUES.values()
+    ]
+    answer_spec = env_cls._tool_specs["answer"]
+    [answer_param] = answer_spec.params
+    refused = [lit for lit in HOSTILE_VALUES.values() if not _accepts(answer_spec, answer_param.name, lit)]
+    assert len(refused) >= 12, refused  # all but the finite numbers (those end the episode: a wrong answer)
+    turns += [_hostile_turn(answer_spec, answer_param.name, lit) for lit in refused]
+    probe = envs.make(env_id, difficulty=0, use_sandbox=False)
+    probe.reset(seed=5)
+    right = getattr(probe.task, "answer", None)
+    right = probe.task.code if right is None else right
+    probe.close()
+    n_hostile = len(turns)
+    turns.append(format_tool_call("answer", {answer_param.name: right}))
+    env = envs.make(env_id, difficulty=0, use_sandbox=False, tools_in_prompt=False, max_turns=len(turns))
+    eng = ScriptedEngine(codec, turns)
+    cfg = EpisodeConfig(max_new_tokens=1 << 21, max_episode_tokens=1 << 24)
+    traj = asyncio.run(run_episode(eng, env, codec, cfg, seed=5))
+    env.close()
+    assert traj.infra_error is None, traj.infra_error
+    assert traj.terminated and traj.outcome == 1.0, (traj.outcome, traj.step_infos[-1])
+    assert len(traj.step_infos) == n_hostile + 1
+    answer_turns = traj.step_infos[n_hostile - len(refused) : n_hostile]
+    assert all(info["tool_errors"] and info.get("success") is None for info in answer_turns), answer_turns
+    compose(traj, [{"name": "outcome", "weight": 1.0}])
+    assert is_trainable(traj) and traj.rewards["total"] == 1.0
+    store = TrajectoryStore(tmp_path / "store")
+    store.append(traj)
+    [back] = list(TrajectoryStore(tmp_path / "store"))
+    assert [i.to_dict() for i in back.step_infos] == [i.to_dict() for i in traj.step_infos]
+    assert back.outcome == 1.0 and back.tokens.tolist() == traj.tokens.tolist()
+
+
 # ======================================================================================== endless file
 @pytest.mark.docker
 def test_read_file_on_an_endless_file_fails_fast(sandbox_pool):
