@@ -43,6 +43,7 @@ from sandbox.client import DAEMON_FIX, docker_client
 from sandbox.errors import SandboxCrashed, SandboxError, SandboxUnavailable
 from sandbox.exec_channel import ExecStartFailed, SupervisorChannel, SupervisorKilled, encode_request
 from sandbox.image import AGENT_UID, DEFAULT_IMAGE, WORKDIR
+from sandbox.oom_counter import OomCounter
 from sandbox.reaper import process_start_ticks
 
 HOST_GRACE_S = 2.0  # host-side deadline = timeout_s + this; the supervisor's own timeout normally fires first
@@ -54,6 +55,12 @@ AGENT_USER_SPEC = f"{AGENT_UID}:{AGENT_UID}"  # every command runs as the agent
 _NO_ROOM = (
     "the sandbox's process limit or memory is exhausted (a fork bomb? files in /work and /tmp count against "
     "the memory limit); processes must exit or files be removed first"
+)
+
+_OOM_NOTE = (
+    b"\n[odyssey: the sandbox ran out of memory during this command and the kernel's OOM killer ended the "
+    b"exec supervisor; the command's result is lost. Files in /work, /tmp and /dev/shm and shared memory "
+    b"count against the memory limit: remove them or end the processes holding memory]\n"
 )
 
 
@@ -71,9 +78,38 @@ def _parse_bytes(size: int | str, name: str = "size") -> int:
         ) from err
 
 
+#: inodes per tmpfs (/work, /tmp): bounds the kernel memory of many tiny files, which outlives their writer
+TMPFS_INODES = 65536
+#: memory left for processes (the exec supervisor and the agent's commands) when every tmpfs and every SysV
+#: shared-memory segment is full: the agent cannot fill the sandbox with memory the OOM killer cannot free
+PROCESS_RESERVE = 32 << 20
+
+
+def ipc_sysctls(limits: SandboxLimits) -> dict[str, str]:
+    """The sandbox IPC namespace's limits. System V objects outlive the process that made them, so each
+    kind is bounded: shared memory to `shm_size` in all (and removed when its last user detaches or
+    exits: shm_rmid_forced), message queues to 8 x 16 KiB, semaphores to 1000, POSIX queues to 8."""
+    shm = _parse_bytes(limits.shm_size)
+    return {
+        "kernel.shm_rmid_forced": "1",
+        "kernel.shmmax": str(shm),
+        "kernel.shmall": str(max(shm // 4096, 1)),  # pages
+        "kernel.shmmni": "64",
+        "kernel.msgmni": "8",
+        "kernel.msgmnb": "16384",
+        "kernel.msgmax": "8192",
+        "kernel.sem": "250 1000 32 16",  # per set, in all, per semop, sets
+        "fs.mqueue.queues_max": "8",
+    }
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Resource limits of one sandbox. Sizes accept ints (bytes) or strings like "512m"."""
+    """Resource limits of one sandbox. Sizes accept ints (bytes) or strings like "512m".
+
+    Memory the OOM killer cannot free (files in the /work, /tmp and /dev/shm tmpfs, System V shared memory,
+    bounded by shm_size) must leave `PROCESS_RESERVE` of `memory` to processes: checked here.
+    """
 
     memory: int | str = "512m"  # RAM incl. tmpfs pages; swap disabled (memswap_limit == mem_limit)
     cpus: float = 1.0  # CPU quota (nano_cpus)
@@ -92,6 +128,15 @@ class SandboxLimits:
                 raise ValueError(
                     f"SandboxLimits.{name} must be a positive size like '256m', got {getattr(self, name)!r}"
                 )
+        pinned = sum(_parse_bytes(getattr(self, n)) for n in ("work_size", "tmp_size")) + 2 * _parse_bytes(
+            self.shm_size
+        )
+        if pinned + PROCESS_RESERVE > _parse_bytes(self.memory):
+            raise ValueError(
+                f"SandboxLimits: work_size + tmp_size + 2 x shm_size (/dev/shm and System V shared memory) = "
+                f"{pinned >> 20} MiB, which leaves less than {PROCESS_RESERVE >> 20} MiB of memory "
+                f"({self.memory!r}) to processes once the agent fills them; raise memory or lower those sizes"
+            )
         if self.cpus <= 0 or self.pids < 16 or self.nofile < 64 or self.output_bytes < 1 or self.ttl_s <= 0:
             raise ValueError(
                 f"invalid SandboxLimits {self}: need cpus > 0, pids >= 16, nofile >= 64, output_bytes >= 1, "
@@ -173,7 +218,7 @@ class Sandbox:
         client = docker_client()
         self._api = client.api
         self.name = name or f"odyssey-sbx-{os.getpid()}-{secrets.token_hex(4)}"
-        tmpfs_opts = "rw,exec,nosuid,nodev"
+        tmpfs_opts = f"rw,exec,nosuid,nodev,nr_inodes={TMPFS_INODES}"
         try:
             self._cid: str = self._api.create_container(
                 image,
@@ -193,6 +238,8 @@ class Sandbox:
                         "/tmp": f"{tmpfs_opts},size={_parse_bytes(lim.tmp_size)},mode=1777",
                     },
                     shm_size=_parse_bytes(lim.shm_size),
+                    ipc_mode="private",  # its own IPC namespace, so the sysctls below are the sandbox's own
+                    sysctls=ipc_sysctls(lim),
                     cap_drop=["ALL"],
                     cap_add=SUPERVISOR_CAPS,
                     security_opt=["no-new-privileges:true"],
@@ -218,6 +265,7 @@ class Sandbox:
                 f"cannot create a sandbox container from {image}: {err}; {DAEMON_FIX}"
             ) from err
         _LIVE.add(self)
+        self._oom = OomCounter(self._api, self._cid)
         try:
             self._api.start(self._cid)
         except (APIError, DockerException) as err:
@@ -320,6 +368,7 @@ class Sandbox:
         )  # fmt: skip
         t0 = time.monotonic()
         deadline = t0 + timeout_s + HOST_GRACE_S
+        oom_before = self._oom.count()
         for _attempt in range(2):
             chan = self._supervisor(deadline)
             if chan is None:  # no supervisor and none can start: the agent filled processes or memory
@@ -344,17 +393,27 @@ class Sandbox:
         if outcome.kind == "deadline":  # the supervisor is starved or stuck: stop everything of the agent
             self._kill_all_agent_processes(chan)
             return out, err, ExecResult(137, "", "", True, False, duration)
+        # The supervisor is gone. Whose fault is decided from the memory cgroup's OOM-kill counter, which only
+        # the kernel moves, never from what the supervisor (or a process the agent starved) printed.
+        oom_after = self._oom.count()
         diag = chan.diagnostics.decode(errors="replace")
+        if oom_before is not None and oom_after is not None:
+            if oom_after > oom_before:  # the agent filled the memory: its failure, scored
+                if outcome.kind == "not_accepted":  # killed twice before taking the request: it never ran
+                    msg = f"odyssey: cannot start the command: {_NO_ROOM}\n".encode()
+                    return out, err + msg, ExecResult(126, "", "", duration_s=duration, oom_killed=True)
+                return out, err + _OOM_NOTE, ExecResult(137, "", "", False, False, duration, True)
+            raise SandboxError(  # lost without running out of memory: only our machinery can do that
+                f"the exec supervisor of sandbox {self.name} was lost ({outcome.kind}) while the sandbox had "
+                f"memory to spare (no OOM kill); its diagnostics:\n{diag[-2000:] or '(none)'}"
+            )
+        # no OOM counter could be read (see sandbox/oom_counter.py): judge by the supervisor's own report
         if "Traceback" in diag:  # our supervisor crashed: an infrastructure failure, never the agent's
             raise SandboxError(f"the exec supervisor of sandbox {self.name} crashed:\n{diag[-2000:]}")
-        if outcome.kind == "not_accepted":  # killed twice before taking the request: it never ran
+        if outcome.kind == "not_accepted":
             msg = f"odyssey: cannot start the command: {_NO_ROOM}\n".encode()
             return out, err + msg, ExecResult(126, "", "", duration_s=duration)
-        note = (
-            "\n[odyssey: the sandbox's exec supervisor was killed during this command "
-            "(memory exhausted?); the command's result is lost]\n"
-        )
-        return out, err + note.encode(), ExecResult(137, "", "", False, False, duration)
+        return out, err + _OOM_NOTE, ExecResult(137, "", "", False, False, duration)
 
     # ---- the exec supervisor: started once per sandbox, reused by every call --------------------------
     def _start_supervisor(self, deadline: float) -> SupervisorChannel | None:
@@ -413,7 +472,8 @@ class Sandbox:
 
     def _kill_all_agent_processes(self, chan: SupervisorChannel) -> None:
         """Host-side fallback when the supervisor misses the deadline: kill it and every agent process."""
-        for user, argv in (("0:0", ["kill", "-9", str(chan.pid)]), (AGENT_USER_SPEC, ["kill", "-9", "-1"])):
+        kill = ["bash", "-c", 'kill -9 -- "$1"', "kill"]  # the shell's builtin: the image has no /bin/kill
+        for user, argv in ((KEEPER_USER, [*kill, str(chan.pid)]), (AGENT_USER_SPEC, [*kill, "-1"])):
             try:
                 exec_id = self._api.exec_create(self._cid, argv, user=user)["Id"]
                 self._api.exec_start(exec_id)

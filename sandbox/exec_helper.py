@@ -205,14 +205,30 @@ def _exec_command(req, stdin_r, out_w, err_w):
 
 def _keeper(req, stdin_r, out_w, err_w, status_w, release_r):
     """In the forked keeper: sub-reaper of the command's tree. Writes `status N` (the command's wait
-    status) or `forkerr E`, then waits for the supervisor's release before exiting."""
+    status) or `forkerr E`, then waits for the supervisor's release before exiting.
+
+    The keeper lets go of the host stream (fds 0-2 become /dev/null) and never returns into the
+    supervisor's loop: whatever happens to it (the supervisor killed under it, its pipes gone), it ends
+    with `os._exit`, silently. Only the supervisor speaks on the stream, so nothing the agent provokes in a
+    keeper can look like the supervisor's own failure."""
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+        _keep(req, stdin_r, out_w, err_w, status_w, release_r)
+    finally:
+        os._exit(0)
+
+
+def _keep(req, stdin_r, out_w, err_w, status_w, release_r):
     if _prctl is not None:
         _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     try:
         child = os.fork()
     except OSError as err:
         os.write(status_w, f"forkerr {err.errno}\n".encode())
-        os._exit(0)
+        return
     if child == 0:
         os.close(status_w)
         os.close(release_r)
@@ -230,9 +246,11 @@ def _keeper(req, stdin_r, out_w, err_w, status_w, release_r):
         if pid == child:
             status = st
             break
-    os.write(status_w, f"status {status}\n".encode())
+    try:
+        os.write(status_w, f"status {status}\n".encode())
+    except OSError:  # the supervisor is gone (e.g. the OOM killer took it): nobody is left to tell
+        return
     os.read(release_r, 1)  # stay the tree's sub-reaper until the supervisor has killed what it must
-    os._exit(0)
 
 
 def _parse_status(text):

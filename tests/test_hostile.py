@@ -264,6 +264,130 @@ def test_starving_the_supervisor_of_memory_or_cpu_is_the_agents_failure(sandbox_
         assert res.timed_out and res.exit_code == 137 and time.monotonic() - t0 < 15, res
 
 
+# Memory the OOM killer cannot free (issue 33): pages that outlive every process, so killing the agent's
+# processes gives nothing back. Every kind the agent can reach: System V shared memory created without
+# IPC_RMID (by processes that then exit), message queues and semaphore sets, files in each tmpfs, a flood
+# of tiny files. Before the IPC namespace was bounded, the segments filled the sandbox and the OOM killer
+# took the root exec supervisor, whose loss was reported as an infrastructure error.
+PINNER = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+libc.shmdt.argtypes = [ctypes.c_void_p]
+got = {"shm_mib": 0, "msg_queues": 0, "sem_sets": 0, "files": 0}
+try:
+    while got["files"] < 100000:
+        with open(f"/tmp/f{got['files']}", "wb") as f:
+            f.write(b"y")
+        got["files"] += 1
+except OSError:
+    pass
+for d, mib in (("/work", 1 << 10), ("/tmp", 1 << 10), ("/dev/shm", 1 << 10)):
+    try:
+        with open(f"{d}/pin", "wb") as f:
+            for _ in range(mib):
+                f.write(b"x" * (1 << 20))
+    except OSError:
+        pass
+while got["shm_mib"] < (1 << 10):
+    sid = libc.shmget(0, 1 << 20, 0o1000 | 0o600)  # IPC_PRIVATE | IPC_CREAT, never IPC_RMID
+    if sid < 0:
+        break
+    addr = libc.shmat(sid, None, 0)  # attached until the process ends (then shm_rmid_forced frees it)
+    ctypes.memset(addr, 1, 1 << 20)
+    got["shm_mib"] += 1
+while got["msg_queues"] < 4096 and libc.msgget(0, 0o1000 | 0o600) >= 0:
+    got["msg_queues"] += 1
+while got["sem_sets"] < 4096 and libc.semget(0, 250, 0o1000 | 0o600) >= 0:
+    got["sem_sets"] += 1
+print(got, flush=True)
+"""
+
+
+@pytest.mark.docker
+def test_memory_the_oom_killer_cannot_free_is_bounded(sandbox_pool):
+    """The agent pins all the memory it can (as above, in a process that then exits) and a detached
+    process keeps its shared memory attached. Bounded: shared memory stops at shm_size, message queues and
+    semaphore sets at a handful, tmpfs files at their sizes; once the agent's processes are gone the
+    sandbox gives a command most of the memory left over; every command in between reports a result."""
+    from sandbox.container import PROCESS_RESERVE, _parse_bytes
+
+    with sandbox_pool.lease_sync() as sb:  # 256 MiB, /work 64 MiB, /tmp 16 MiB, /dev/shm 16 MiB
+        lim = sb.limits
+        res = sb.exec(["python3", "-c", PINNER], timeout_s=60)
+        assert res.exit_code == 0, res
+        got = eval(res.stdout)  # noqa: S307  the dict the pinner printed
+        assert got["shm_mib"] <= _parse_bytes(lim.shm_size) >> 20 and got["msg_queues"] <= 8, got
+        assert got["sem_sets"] <= 16 and got["files"] <= 65536, got
+        holder = PINNER.replace('print(got, flush=True)', 'import time; time.sleep(300)')
+        sb.exec(["bash", "-c", 'setsid python3 -c "$1" >/dev/null 2>&1 &', "holder", holder])
+        for _ in range(6):  # whatever is left: each command still gets its own result
+            res = sb.exec(["python3", "-c", "x = bytearray(40 << 20); print(len(x))"], timeout_s=20)
+            assert res.exit_code in (0, 137) and (res.exit_code == 0 or res.oom_killed), res
+        sb.exec("kill -9 -1; true")  # the agent ends its own processes: what they pinned must come back
+        pinned = sum(_parse_bytes(getattr(lim, n)) for n in ("work_size", "tmp_size", "shm_size"))
+        room = (_parse_bytes(lim.memory) - pinned - PROCESS_RESERVE) >> 20
+        res = sb.exec(["python3", "-c", f"x = bytearray({room} << 20); x[::4096] = b'z' * len(x[::4096])"],
+                      timeout_s=30)  # fmt: skip
+        assert res.exit_code == 0 and not res.oom_killed, (room, res)
+
+
+OOM_THEN_SLEEP = "python3 -c 'x = bytearray(1 << 30); x[::4096] = bytes(len(x[::4096]))'; sleep 30"
+
+
+def _supervisor_pid(sb) -> int:
+    sb.exec("true")  # the supervisor is up
+    return sb._chan.pid
+
+
+def _kill_as_root(sb, pid: int) -> None:
+    exec_id = sb._api.exec_create(sb.id, ["bash", "-c", f"kill -9 {pid}"], user="0:0")["Id"]
+    sb._api.exec_start(exec_id)
+    assert sb._api.exec_inspect(exec_id)["ExitCode"] == 0
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("memory_ran_out", [True, False])
+def test_a_lost_supervisor_is_judged_by_the_oom_counter_not_by_its_output(sandbox_pool, memory_ran_out):
+    """Whose fault a lost exec supervisor is comes from the memory cgroup's OOM-kill counter (read on the
+    host, moved only by the kernel). The supervisor is SIGKILLed from outside in the middle of a command:
+    if the sandbox ran out of memory during that command (a real OOM kill of the agent's allocation), the
+    command is the agent's scored failure (137, oom_killed); if not, nothing the agent did can explain it
+    and it is an infrastructure error. Either way the host sees the loss at once (the keeper no longer
+    holds the stream) and the next command runs on a fresh supervisor."""
+    import threading
+
+    from sandbox.errors import SandboxError
+
+    with sandbox_pool.lease_sync() as sb:
+        victim = _supervisor_pid(sb)
+        before = sb._oom.count()
+        assert before is not None, "no OOM counter readable on this host (sandbox/oom_counter.py)"
+        cmd = OOM_THEN_SLEEP if memory_ran_out else "sleep 30"
+
+        def kill_when_ready() -> None:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and memory_ran_out and sb._oom.count() == before:
+                time.sleep(0.05)
+            time.sleep(0.5)
+            _kill_as_root(sb, victim)
+
+        killer = threading.Thread(target=kill_when_ready)
+        t0 = time.monotonic()
+        killer.start()
+        if memory_ran_out:
+            res = sb.exec(cmd, timeout_s=40)
+            assert res.exit_code == 137 and res.oom_killed and "ran out of memory" in res.stderr, res
+        else:
+            with pytest.raises(SandboxError, match="no OOM kill"):
+                sb.exec(cmd, timeout_s=40)
+        killer.join()
+        assert time.monotonic() - t0 < 20  # not the 30 s the orphaned command sleeps
+        assert sb.exec("echo again").stdout == "again\n"
+        assert _supervisor_pid(sb) != victim
+
+
 # ========================================================================================= code repair
 def _code_repair_episode(pool, module_source: str, seed: int = 4, runs: int = 2) -> list[tuple]:
     """A code-repair episode where the agent writes `module_source`, runs the tests `runs` times, submits."""
@@ -411,6 +535,29 @@ def test_code_repair_test_cheats_score_nothing(sandbox_pool, cheat):
     assert last[2] and last[4]["success"] == 0.0, (cheat, last[0])
     assert all(s[4]["subgoals"] == [] for s in steps), (cheat, [s[4]["subgoals"] for s in steps])
     assert all(s[4]["infra_error"] is None for s in steps), cheat
+
+
+MEMORY_FILLER_MODULE = (
+    "import os, sys\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        sys.stdout = sys.stderr = open(os.devnull, 'w')\n"
+    "        exec(PINNER.replace('print(got, flush=True)', 'import time; time.sleep(300)'))\n"
+    "    os._exit(0)\n"
+)
+
+
+@pytest.mark.docker
+def test_code_repair_module_that_fills_memory_is_a_scored_failure(sandbox_pool):
+    """Issue 33 end to end: the module, when `run_tests` imports it, starts a detached process that pins all
+    the memory it can (System V shared memory, message queues, tmpfs files) and stays. Every step of the
+    episode is scored (no infra error), the tests fail, and the episode's outcome is a failure."""
+    module = f"PINNER = {PINNER!r}\n" + MEMORY_FILLER_MODULE
+    for seed in (4, 5):
+        steps = _code_repair_episode(sandbox_pool, module, seed=seed, runs=3)
+        assert all(s[4]["infra_error"] is None for s in steps), [s[4]["infra_error"] for s in steps]
+        assert steps[-1][2] and steps[-1][4]["success"] == 0.0, steps[-1][4]
 
 
 @pytest.mark.docker

@@ -386,7 +386,7 @@ _HOLDER = """
 import sys, time
 from sandbox.container import SandboxLimits
 from sandbox.pool import SandboxPool
-pool = SandboxPool(1, limits=SandboxLimits(memory="64m"))
+pool = SandboxPool(1, limits=SandboxLimits(memory="64m", work_size="16m", tmp_size="8m", shm_size="4m"))
 pool.start_sync()
 sb = pool.acquire_sync()
 print(sb.id, flush=True)

@@ -160,6 +160,10 @@ def test_parse_bytes_and_limits_validation() -> None:
         SandboxLimits(pids=1)
     with pytest.raises(ValueError, match="SandboxLimits.memory"):
         SandboxLimits(memory="0m")
+    # memory the OOM killer cannot free (the tmpfs mounts, System V shared memory) must leave room
+    with pytest.raises(ValueError, match=r"= 352 MiB.*raise memory or lower those sizes"):
+        SandboxLimits(memory="256m")
+    SandboxLimits(memory="64m", work_size="16m", tmp_size="8m", shm_size="4m")  # 16 + 8 + 2 x 4 + 32 = 64
 
 
 def test_exec_result_ok_flag() -> None:
