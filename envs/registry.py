@@ -52,6 +52,7 @@ BUILTINS: dict[str, str] = {
     "code-repair": "envs.code_repair:CodeRepairEnv",
     "long-docs": "envs.long_docs:LongDocsEnv",
     "dataset-qa": "envs.dataset_qa:DatasetQAEnv",
+    "agent": "envs.agent_env:AgentEnv",
 }
 
 #: id prefix -> (factory taking the name after the slash first, function listing the accepted names)

@@ -304,6 +304,7 @@ class RolloutWorker:
         self._done = 0
         self._in_flight = 0
         self._report = WorkerReport()
+        self._endpoint: Any = None  # the policy endpoint of agent envs, started by the first such episode
 
     # ------------------------------------------------------------------ env + sandbox
     async def _ensure_pool(self) -> None:
@@ -388,6 +389,22 @@ class RolloutWorker:
             )
             traj.metadata["infra_source"] = "env"
         else:
+            from envs.agent_env import AgentEnv
+
+            if isinstance(env, AgentEnv):  # the user's agent drives the policy over the OpenAI API
+                from rl.rollout.agent_episode import run_agent_episode
+
+                return await run_agent_episode(
+                    self.engine,
+                    env,
+                    self.codec,
+                    cfg,
+                    await self._policy_endpoint(),
+                    seed=task.seed,
+                    sample_seed=sample.seed,
+                    reset_options=task.reset_options() or None,
+                    metadata=meta,
+                )
             traj = await run_episode(
                 self.engine,
                 env,
@@ -399,6 +416,16 @@ class RolloutWorker:
                 metadata=meta,
             )
         return traj
+
+    async def _policy_endpoint(self) -> Any:
+        """This worker's OpenAI-compatible endpoint (rl/rollout/endpoint.py), started on first use."""
+        if self._endpoint is None:
+            from rl.rollout.endpoint import PolicyEndpoint
+
+            endpoint = PolicyEndpoint()
+            await endpoint.start()
+            self._endpoint = endpoint
+        return self._endpoint
 
     async def score(self, traj: Trajectory) -> Trajectory:
         """Score `traj` in place (async rewards, e.g. judges, are awaited here; other episodes go on)."""
@@ -496,6 +523,9 @@ class RolloutWorker:
         warmup, self._pool_warmup = self._pool_warmup, None
         if warmup is not None:  # a pool still starting is closed below once it exists, never leaked
             await asyncio.gather(warmup, return_exceptions=True)
+        endpoint, self._endpoint = self._endpoint, None
+        if endpoint is not None:
+            await endpoint.stop()
         if hasattr(self.engine, "aclose"):
             await self.engine.aclose()
         if self._own_engine and hasattr(self.engine, "shutdown"):

@@ -1,0 +1,136 @@
+"""One episode of an `agent` env (envs/agent_env.py): the user's agent function drives the policy through
+the OpenAI-compatible endpoint, and the recorder's segments become the episode's trajectory.
+
+    traj = await run_agent_episode(engine, env, codec, cfg, endpoint, seed=7, sample_seed=8)
+
+The agent runs in a worker thread with its own `openai.OpenAI` client (this episode's base_url and key,
+no retries, a per-request timeout) while the endpoint serves its requests on this event loop. When it
+returns, raises or runs out of time the key is closed (later requests get 401), the result is scored by
+the env's verifier, and the segments are assembled (rl/rollout/agent_recorder.py).
+
+Who failed: an agent that raises or hangs failed its task (outcome 0, `metadata["agent_error"]`; the
+policy writes what the agent reads, so it could crash it on purpose); the engine failing, or the env's
+own code (task generation, the verifier), is an infrastructure error (`infra_error`, not scored).
+
+Segments: the trajectory is the last segment (the context the agent finished in). When the agent rewrote
+its history, the earlier segments are counted in `metadata` (`n_segments`, `earlier_segment_tokens`,
+`context_replaced_at`) but not trained: the learner takes one sequence per sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from rl.rollout.agent_loop import ChatCodec, EpisodeConfig
+from rl.rollout.agent_recorder import EpisodeRecorder
+from rl.rollout.endpoint import PolicyEndpoint
+from rl.rollout.engine import InferenceEngine
+from rl.trajectory import Trajectory
+
+
+def _short(e: BaseException) -> str:
+    return traceback.format_exception_only(type(e), e)[-1].strip()[:2000]
+
+
+async def run_agent_episode(
+    engine: InferenceEngine,
+    env: Any,
+    codec: ChatCodec,
+    cfg: EpisodeConfig,
+    endpoint: PolicyEndpoint,
+    *,
+    seed: int,
+    sample_seed: int | None = None,
+    reset_options: dict | None = None,
+    metadata: dict | None = None,
+) -> Trajectory:
+    """Play one episode of the agent env `env`; never raises for agent, engine or env failures."""
+    import openai
+
+    t0 = time.perf_counter()
+    draw = int(seed if sample_seed is None else sample_seed)
+    meta: dict[str, Any] = {
+        "seed": int(seed),
+        "policy_version": int(engine.weight_version),
+        "env_id": getattr(env, "env_id", "agent"),
+        "tokenizer": codec.fingerprint,
+        **(metadata or {}),
+    }
+    rec = EpisodeRecorder(engine, codec, cfg, draw)
+    outcome: float | None = None
+    infra, source = None, None
+    try:
+        _, info = await env.areset(seed=seed, options=reset_options)
+        meta["task_id"] = info.get("task_id")
+    except Exception as e:
+        infra, source = f"env.reset: {_short(e)}", "env"
+    if infra is None:
+        handle = endpoint.open(rec)
+        client = openai.OpenAI(
+            base_url=handle.base_url, api_key=handle.api_key, max_retries=0, timeout=env.agent_timeout_s
+        )
+        task = env.task.for_agent
+        work = asyncio.ensure_future(asyncio.to_thread(env.agent, client, task))
+        result, agent_error = None, None
+        try:
+            result = await asyncio.wait_for(asyncio.shield(work), env.agent_timeout_s)
+        except TimeoutError:
+            agent_error = f"the agent ran past agent_timeout_s={env.agent_timeout_s:g} s"
+        except Exception as e:  # the agent's own failure (perhaps provoked by the policy): scored
+            agent_error = f"the agent raised {_short(e)}"
+        finally:
+            endpoint.close(handle)  # a straggling agent thread gets 401 from now on
+            client.close() if work.done() else None
+        meta["agent_result"] = None if result is None else str(result)[:10_000]
+        if agent_error is not None:
+            meta["agent_error"] = agent_error
+        if rec.infra_error is not None:
+            infra, source = rec.infra_error, "engine"
+        elif agent_error is not None:
+            outcome = 0.0
+        else:
+            try:
+                outcome = await env.score(result)
+            except Exception as e:  # the verifier's (the env's) failure
+                infra, source = f"env.score: {_short(e)}", "env"
+    rec.close()
+    try:
+        await env.aclose()
+    except Exception as e:
+        meta["close_error"] = _short(e)
+    if infra is not None:
+        meta["infra_source"] = source
+    meta["wall_s"] = round(time.perf_counter() - t0, 4)
+    segments = rec.trajectories(outcome, meta)
+    if not segments:  # no turn was generated (the agent never called, or failed first)
+        return _empty(infra, outcome, rec, meta)
+    traj = segments[-1]
+    traj.metadata["earlier_segment_tokens"] = [len(s.tokens) for s in segments[:-1]]
+    return traj
+
+
+def _empty(infra: str | None, outcome: float | None, rec: EpisodeRecorder, meta: dict) -> Trajectory:
+    """The record of an episode in which the policy generated nothing: no tokens to train, still scored
+    (or marked) so that the sample is accounted for."""
+    meta = {**meta, "n_segments": 0, "requests": rec.requests, "n_turns": 0}
+    if infra is None and outcome is None:
+        outcome = 0.0
+    return Trajectory(
+        tokens=np.zeros(0, np.int32),
+        loss_mask=np.zeros(0, np.uint8),
+        rollout_logprobs=np.zeros(0, np.float32),
+        routed_experts=None,
+        turns=[],
+        step_infos=[],
+        outcome=outcome if infra is None else None,
+        terminated=True,
+        truncated=False,
+        infra_error=infra,
+        metadata=meta,
+        token_versions=np.zeros(0, np.int32),
+    )

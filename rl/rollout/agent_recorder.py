@@ -1,0 +1,382 @@
+"""`EpisodeRecorder`: the token-faithful record of one episode whose agent talks to the policy over the
+OpenAI API (rl/rollout/endpoint.py). Token in, token out: the ids the policy was fed and the ids it
+sampled are recorded as they were, never re-tokenised from the text the agent sends back.
+
+    rec = EpisodeRecorder(engine, codec, cfg, sample_seed=7)
+    turn = await rec.chat(messages, tools, max_tokens)     # one /v1/chat/completions request
+    turn = await rec.complete(prompt, max_tokens)          # one /v1/completions request (str or ids)
+    trajs = rec.trajectories(outcome, metadata)            # one Trajectory per segment
+
+Chat requests. An agent resends its whole conversation each time. When the new request's messages
+extend what the open segment already holds (the same tools, the same earlier messages, and each assistant
+message the one this recorder returned: same content, same tool calls by name and arguments), only the new
+messages are encoded (`ChatCodec.continuation`, after an end-of-turn the model did not emit itself) and
+fed on the segment's engine session, exactly as `run_episode` does. Otherwise the agent rewrote its
+history (dropped, edited or summarised messages, changed the tools): a new segment starts from the full
+rendering of the request, and `metadata["context_replaced_at"]` records at which request.
+
+Completion requests (`prompt` as text or as token ids) extend the open segment when the prompt ids start
+with all of its tokens; otherwise they start a new segment.
+
+Each assistant turn's text is parsed with the env tool-call protocol (envs/tool_call.py): well-formed
+`<tool_call>` blocks become OpenAI `tool_calls` (arguments as JSON text), the rest of the text is the
+message content. Sampling is the run's (`EpisodeConfig`): a request's `temperature` / `top_p` do not
+change it (the learner's importance ratios assume the run's distribution); `max_tokens` can only lower
+the per-turn cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from envs.tool_call import ToolCall, format_tool_call, parse_tool_calls, without_surrogates
+from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, _Builder, _split_routing
+from rl.rollout.engine import GenerationRequest, InferenceEngine, Session
+from rl.rollout.sampling import SamplingParams
+from rl.trajectory import StepInfo, Trajectory
+
+
+class RequestError(ValueError):
+    """The request cannot be served as sent (bad messages, budget spent): an HTTP 4xx for the agent.
+    `code` is the OpenAI error code (e.g. "context_length_exceeded")."""
+
+    def __init__(self, message: str, code: str = "invalid_request", status: int = 400) -> None:
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+class EngineFailure(RuntimeError):
+    """The inference engine failed on a request: an infrastructure error of the episode (HTTP 500)."""
+
+
+@dataclass
+class TurnResult:
+    """One generated assistant turn as the endpoint returns it."""
+
+    text: str  # the model's text (stop token removed), tool-call markup included
+    content: str | None  # text outside well-formed tool calls (None when empty)
+    tool_calls: list[tuple[str, dict[str, Any]]]  # (name, arguments) of each well-formed call
+    token_ids: list[int]
+    logprobs: list[float]
+    prompt_tokens: int  # tokens of the request's context (the whole segment so far)
+    finish_reason: str  # "stop" | "tool_calls" | "length"
+
+
+@dataclass
+class _Segment:
+    builder: _Builder = field(default_factory=_Builder)
+    history: list[tuple] = field(default_factory=list)  # canonical messages the tokens encode (chat mode)
+    messages: list[dict] = field(default_factory=list)  # the decoded conversation, for rewards
+    session: Session | None = None
+    needs_eot: bool = False  # the last assistant turn did not end with end-of-turn
+    mode: str = "chat"  # "chat" | "completion"
+    started_at: int = 0  # index of the request that opened it
+    n_prompt_messages: int = 0
+    step_infos: list[StepInfo] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+def message_text(content: Any, where: str) -> str:
+    """The text of an OpenAI message `content`: a string, None, or a list of {"type": "text"} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(
+                    f"{where}.content[{i}]: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                    f"got type {kind!r}; this policy endpoint serves text"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise RequestError(
+        f"{where}.content must be a string, null or a list of text parts, got {type(content).__name__}"
+    )
+
+
+def _tool_calls(message: dict, where: str) -> list[tuple[str, dict[str, Any]]]:
+    """(name, arguments) of an assistant message's OpenAI `tool_calls`."""
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls must be a list")
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(
+                f"{where}.tool_calls[{i}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}"
+            )
+        args = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except ValueError as err:
+            raise RequestError(f"{where}.tool_calls[{i}].function.arguments is not JSON: {err}") from None
+        out.append((fn["name"], parsed))
+    return out
+
+
+def canonical(messages: list[Any], tools: list[dict] | None) -> list[tuple]:
+    """The request as comparable tuples: the tools first, then (role, text, tool calls) per message.
+    Tool-call ids and other fields (name, refusal, annotations) do not take part."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list of chat messages")
+    out: list[tuple] = [("tools", json.dumps(tools or [], sort_keys=True))]
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"{where} must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise RequestError(
+                f"{where}.role must be system, developer, user, assistant or tool, got {role!r}"
+            )
+        calls = _tool_calls(m, where) if role == "assistant" else []
+        text = without_surrogates(message_text(m.get("content"), where))
+        out.append((role, text, json.dumps(calls, sort_keys=True)))
+    return out
+
+
+def _template_message(item: tuple) -> dict:
+    """A canonical message as the chat template takes it: tool calls inline in the assistant content."""
+    role, text, calls = item
+    if role == "assistant":
+        text = text + "".join(format_tool_call(n, a) for n, a in json.loads(calls))
+    return {"role": role, "content": text}
+
+
+def _split_turn(text: str) -> tuple[str | None, list[tuple[str, dict[str, Any]]]]:
+    """(content, tool calls) of a model turn: well-formed blocks become calls, the rest stays content."""
+    calls, content = [], text
+    for item in parse_tool_calls(text):
+        if isinstance(item, ToolCall):
+            calls.append((item.name, item.arguments))
+            content = content.replace(f"<tool_call>{item.raw}</tool_call>", "", 1)
+    content = content.strip() if calls else content
+    return (content or None), calls
+
+
+class EpisodeRecorder:
+    """Serves one episode's requests on `engine` and records them (see the module docstring).
+    Requests are served one at a time, in arrival order."""
+
+    def __init__(self, engine: InferenceEngine, codec: ChatCodec, cfg: EpisodeConfig, sample_seed: int):
+        self.engine, self.codec, self.cfg = engine, codec, cfg
+        self.draw = int(sample_seed)
+        self.segments: list[_Segment] = []
+        self.requests = 0
+        self.turns = 0
+        self.truncated: str | None = None  # "token_budget" | "max_turns" once a request was refused for it
+        self.infra_error: str | None = None
+        self.weight_version = int(engine.weight_version)
+        self._lock = asyncio.Lock()
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(s.builder) for s in self.segments)
+
+    # ------------------------------------------------------------------ requests
+    async def chat(self, messages: list[Any], tools: list[dict] | None, max_tokens: int | None) -> TurnResult:
+        """Serve one chat request: generate the next assistant turn of `messages`."""
+        async with self._lock:
+            self.requests += 1
+            new = canonical(messages, tools)
+            if new[-1][0] == "assistant":
+                raise RequestError(
+                    "the last message is an assistant message; end with a user or tool message"
+                )
+            seg = self.segments[-1] if self.segments else None
+            if (
+                seg is not None
+                and seg.mode == "chat"
+                and len(new) > len(seg.history)
+                and new[: len(seg.history)] == seg.history
+            ):
+                added = [_template_message(m) for m in new[len(seg.history) :]]
+                pending = [("assistant", [self.codec.eot_id])] if seg.needs_eot else []
+                pending.append(("observation", self.codec.continuation(added)))
+            else:
+                added = [_template_message(m) for m in new[1:]]
+                seg = _Segment(mode="chat", started_at=self.requests, n_prompt_messages=len(added))
+                pending = [("prompt", self.codec.render_prompt(added, tools))]
+            turn = await self._generate(seg, pending, max_tokens)
+            content, calls = _split_turn(turn.text)
+            turn.content, turn.tool_calls = content, calls
+            if calls and turn.finish_reason == "stop":
+                turn.finish_reason = "tool_calls"
+            said = ("assistant", without_surrogates(content or ""), json.dumps(calls, sort_keys=True))
+            seg.history = [*new, said]
+            seg.messages += [*added, {"role": "assistant", "content": turn.text}]
+            tool_calls = [{"name": n, "arguments": a} for n, a in calls]
+            seg.step_infos.append(StepInfo(turn=self.turns, tool_calls=tool_calls))
+            return turn
+
+    async def complete(self, prompt: str | list[int], max_tokens: int | None) -> TurnResult:
+        """Serve one completion request: continue `prompt` (text, encoded without special tokens, or ids)."""
+        async with self._lock:
+            self.requests += 1
+            if isinstance(prompt, str):
+                ids = [int(i) for i in self.codec.tok.encode(prompt, add_special_tokens=False)]
+            elif isinstance(prompt, list) and prompt and all(type(i) is int for i in prompt):
+                ids = list(prompt)
+            else:
+                raise RequestError(
+                    "'prompt' must be a non-empty string or a non-empty list of token ids (ints)"
+                )
+            vocab = len(self.codec.tok)
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise RequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+            seg = self.segments[-1] if self.segments else None
+            held = seg.builder.tokens if seg is not None and seg.mode == "completion" else None
+            if held is not None and len(ids) > len(held) and ids[: len(held)] == held:
+                pending = [("observation", ids[len(held) :])]
+            else:
+                seg = _Segment(mode="completion", started_at=self.requests, n_prompt_messages=1)
+                pending = [("prompt", ids)]
+            turn = await self._generate(seg, pending, max_tokens, stop_on_tool_call=False)
+            seg.messages += [
+                {"role": "user", "content": self.codec.decode(pending[0][1])},
+                {"role": "assistant", "content": turn.text},
+            ]
+            seg.step_infos.append(StepInfo(turn=self.turns))
+            return turn
+
+    # ------------------------------------------------------------------ internals
+    def _open(self, seg: _Segment) -> None:
+        """Make `seg` the open segment (when its first turn was generated): the previous one's engine
+        session is released, since the agent left that context."""
+        if self.segments and self.segments[-1] is not seg:
+            prev = self.segments[-1]
+            if prev.session is not None:
+                self.engine.release(prev.session)
+                prev.session = None
+        if not self.segments or self.segments[-1] is not seg:
+            self.segments.append(seg)
+
+    async def _generate(
+        self,
+        seg: _Segment,
+        pending: list[tuple[str, list[int]]],
+        max_tokens: int | None,
+        stop_on_tool_call: bool = True,
+    ) -> TurnResult:
+        cfg = self.cfg
+        if self.infra_error is not None:
+            raise EngineFailure(f"the episode already failed: {self.infra_error}")
+        if cfg.max_turns is not None and self.turns >= cfg.max_turns:
+            self.truncated = "max_turns"
+            raise RequestError(
+                f"this episode's turn limit ({cfg.max_turns} generations) is reached; finish the task",
+                "turn_limit_exceeded",
+            )
+        n_new = sum(len(ids) for _, ids in pending)
+        budget = cfg.max_episode_tokens - self.total_tokens - n_new
+        if budget <= 0:
+            self.truncated = "token_budget"
+            raise RequestError(
+                f"this episode's token budget ({cfg.max_episode_tokens} tokens in all) is spent: the request "
+                f"needs {n_new} more tokens with {self.total_tokens} used; finish the task",
+                "context_length_exceeded",
+            )
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+            raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        stop_ids, stop_strs = self.codec.stops(stop_on_tool_call and cfg.stop_on_tool_call)
+        params = SamplingParams(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            max_new_tokens=min(cfg.max_new_tokens, budget, max_tokens or cfg.max_new_tokens),
+            stop_token_ids=stop_ids,
+            stop_strings=stop_strs,
+            seed=hash((self.draw, self.turns)) & 0x7FFFFFFF,
+        )
+        prompt_ids = [t for _, ids in pending for t in ids]
+        try:
+            res = await self.engine.agenerate(
+                GenerationRequest(prompt_ids, params, seg.session, request_id=f"{self.draw}:{self.turns}")
+            )
+        except Exception as e:  # the engine's failure, never the agent's: the pending tokens were not seen
+            self.infra_error = f"engine: {type(e).__name__}: {e}"[:2000]
+            raise EngineFailure(self.infra_error) from e
+        self._open(seg)
+        seg.session = res.session
+        for (role, ids), r in zip(
+            pending, _split_routing(res.prompt_routed_experts, [len(i) for _, i in pending])
+        ):
+            seg.builder.add(role, ids, routed=r)
+        versions = list(getattr(res, "token_versions", None) or [res.weight_version] * len(res.token_ids))
+        seg.builder.add(
+            "assistant", res.token_ids, logprobs=res.logprobs, routed=res.routed_experts, versions=versions
+        )
+        self.turns += 1
+        gen = list(res.token_ids)
+        stopped = bool(gen) and gen[-1] in self.codec.stop_ids
+        seg.needs_eot = not (bool(gen) and gen[-1] == self.codec.eot_id)
+        seg.finish_reasons.append(res.finish_reason)
+        finish = "length" if res.finish_reason == "length" else "stop"
+        return TurnResult(
+            text=self.codec.decode(gen[:-1] if stopped else gen),
+            content=None,
+            tool_calls=[],
+            token_ids=gen,
+            logprobs=list(res.logprobs),
+            prompt_tokens=len(seg.builder) - len(gen),
+            finish_reason=finish,
+        )
+
+    def close(self) -> None:
+        """Release the engine session of the open segment (the others were released when they closed)."""
+        for seg in self.segments:
+            if seg.session is not None:
+                self.engine.release(seg.session)
+                seg.session = None
+
+    # ------------------------------------------------------------------ the record
+    def trajectories(self, outcome: float | None, metadata: dict[str, Any]) -> list[Trajectory]:
+        """One Trajectory per segment (in order), each with the episode's outcome and infra error."""
+        out = []
+        n = len(self.segments)
+        for k, seg in enumerate(self.segments):
+            b = seg.builder
+            meta = {
+                **metadata,
+                "messages": seg.messages,
+                "n_prompt_messages": seg.n_prompt_messages,
+                "segment": k,
+                "n_segments": n,
+                "context_replaced_at": seg.started_at if k > 0 else None,
+                "requests": self.requests,
+                "finish_reasons": seg.finish_reasons,
+                "n_turns": len(seg.finish_reasons),
+                "policy_version_end": int(self.engine.weight_version),
+            }
+            if self.truncated:
+                meta["truncation"] = self.truncated
+            out.append(
+                Trajectory(
+                    tokens=np.asarray(b.tokens, dtype=np.int32),
+                    loss_mask=np.asarray(b.mask, dtype=np.uint8),
+                    rollout_logprobs=np.asarray(b.logprobs, dtype=np.float32),
+                    routed_experts=b.routed_array(),
+                    turns=b.turns,
+                    step_infos=seg.step_infos,
+                    outcome=outcome if self.infra_error is None else None,
+                    terminated=self.truncated is None or self.infra_error is not None,
+                    truncated=self.truncated is not None and self.infra_error is None,
+                    infra_error=self.infra_error,
+                    metadata=meta,
+                    token_versions=np.asarray(b.versions, dtype=np.int32),
+                )
+            )
+        return out
