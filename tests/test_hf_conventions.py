@@ -276,3 +276,55 @@ def test_bad_input_errors(model):
         model(ids[:1, :1], attention_mask=torch.ones(1, 6, dtype=torch.long), past_key_values=cache)
     with pytest.raises(ValueError, match="cannot be cropped"):
         cache.crop(1)
+
+
+# ----------------------------------------------------------------------------- TRL
+@pytest.mark.slow
+def test_trl_grpo_trainer_trains_the_checkpoint_as_loaded(model, tmp_path):
+    """GRPOTrainer(model=<checkpoint dir>) loads it through AutoModelForCausalLM, generates with HF generate
+    (left-padded prompts), and trains 2 steps with finite losses that move the weights; its per-token
+    log-probs (TRL's fused LM head on model.model's padded forward) equal the trainer's token_logprobs."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from model.tokenizer import load_tokenizer
+
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    tok = load_tokenizer()
+    prompts = ["2 + 2 =", "Name a prime:", "ls -la shows", "def f(x):"]
+
+    def reward_len(completions: list[str], **kwargs) -> list[float]:
+        return [-abs(len(c) - 12) / 12.0 for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, max_steps=2,
+                      per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                      learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", seed=0,
+                      gradient_checkpointing=True, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=str(ckpt), reward_funcs=reward_len, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
+    policy = trainer.model
+    assert isinstance(policy, OdysseyForCausalLM)
+    before = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    moved = [k for k, v in policy.state_dict().items() if v.is_floating_point() and not torch.equal(v, before[k])]
+    assert "lm_head.weight" in moved and any(".mixer." in k for k in moved)
+
+    # TRL's per-token log-probs == ours, on a left-padded prompt + right-padded completion batch
+    policy.eval()
+    seqs = _seqs([5, 2, 7], seed=12)
+    comps = _seqs([4, 4, 2], seed=13)
+    P, C = max(len(s) for s in seqs), max(len(c) for c in comps)
+    ids = torch.zeros(3, P + C, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (s, c) in enumerate(zip(seqs, comps)):
+        ids[b, P - len(s):P], ids[b, P:P + len(c)] = s, c
+        mask[b, P - len(s):P + len(c)] = 1
+    with torch.no_grad():
+        trl_lp, _, _ = trainer._get_per_token_logps_and_entropies(policy, ids, mask, C)
+        for b, (s, c) in enumerate(zip(seqs, comps)):
+            full = torch.cat([s, c])
+            ours = policy.token_logprobs(full[:-1], full[1:])[len(s) - 1:]
+            assert torch.allclose(trl_lp[b, :len(c)], ours, atol=LOGPROB_TOL, rtol=0), (trl_lp[b] - 0).tolist()
