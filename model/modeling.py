@@ -21,6 +21,11 @@ decoder layer keep only its inputs (the AttnRes sources) during a forward with g
 activations in the backward. MoE statistics are recorded again by the recomputation unless the caller
 turns recording off around the backward (`model.moe.statistics_recording`; the learner does).
 
+Hugging Face conventions (docs/hf.md): without cu_seqlens, `OdysseyModel` / `OdysseyForCausalLM` also take
+the padded form (input_ids [B, T] + attention_mask, position_ids, past_key_values = `OdysseyHFCache`,
+logits_to_keep), run as the packed form (model/padding.py), so padded == packed exactly; the causal LM is a
+`GenerationMixin` (`generate`, `pipeline`, TRL).
+
 Importing this module registers the config/model with `AutoConfig` / `AutoModel` / `AutoModelForCausalLM`.
 """
 
@@ -59,7 +64,8 @@ IGNORE_INDEX = -100
 class OdysseyOutput(ModelOutput):
     """logits [T, V] (or [B, T, V]); cache: the advanced OdysseyCache (None unless cache/use_cache);
     routed_experts int64 [T, n_moe_layers, k] (None unless requested); aux_loss: summed MoE balancing
-    loss (None unless balancing == "aux_loss"); loss: mean next-token NLL (+ aux_loss) when labels given."""
+    loss (None unless balancing == "aux_loss"); loss: mean next-token NLL (+ aux_loss) when labels given;
+    past_key_values: the advanced OdysseyHFCache of a padded call (or of [B, T] input with use_cache)."""
 
     logits: torch.Tensor | None = None
     cache: OdysseyCache | None = None
@@ -637,11 +643,14 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel, GenerationMixin):
         positions), past_key_values an OdysseyHFCache advanced in place. Exactly the packed outputs of the
         rows' real tokens (model/padding.py).
         """
-        if (attention_mask is not None or position_ids is not None or past_key_values is not None
-                or not _is_zero(logits_to_keep) or kwargs):
+        padded = [name for name, v in (("attention_mask", attention_mask), ("position_ids", position_ids),
+                                       ("past_key_values", past_key_values)) if v is not None]
+        padded += [] if _is_zero(logits_to_keep) else ["logits_to_keep"]
+        if padded or kwargs:
             if cu_seqlens is not None or cache is not None:
-                raise ValueError("pass either the packed form (cu_seqlens, cache) or the padded form "
-                                 "(attention_mask, position_ids, past_key_values), not both")
+                raise ValueError(f"pass either the packed form (cu_seqlens, cache) or the padded form "
+                                 f"(attention_mask, position_ids, past_key_values, ...), not both; got "
+                                 f"{', '.join(padded + sorted(kwargs))} with the packed form")
             _check_hf_kwargs(kwargs)
             return self.forward_padded(input_ids, attention_mask, position_ids, past_key_values,
                                        bool(use_cache), labels, logits_to_keep, replay_experts,

@@ -280,7 +280,7 @@ def test_bad_input_errors(model):
     ids = torch.randint(16, 100, (2, 5))
     with pytest.raises(ValueError, match=r"attention_mask must be \[batch, seq_len\] = \[2, 5\]"):
         model(ids, attention_mask=torch.ones(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="either the packed form"):
+    with pytest.raises(ValueError, match="either the packed form.*got attention_mask with the packed form"):
         model(ids[0], cu_seqlens=torch.tensor([0, 5], dtype=torch.int32), attention_mask=torch.ones(1, 5))
     with pytest.raises(ValueError, match="only 0 .padding. and 1"):
         model(ids, attention_mask=torch.full((2, 5), 2))
