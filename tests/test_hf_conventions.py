@@ -5,7 +5,8 @@
   position_ids);
 - `generate` greedy == TorchEngine greedy, and == generate without a cache (a full forward per step), for
   left-padded prompts of different lengths; the cache each row ends with == a solo packed prefill of the
-  row's real tokens (padding never enters it); beam search with the cache == without;
+  row's real tokens (padding never enters it); beam search with the cache == without; continuing a returned
+  cache == a fresh generate on the whole history;
 - sampled `output_scores` / `output_logits` at temperature 1 (no warpers): log_softmax == the trainer's
   `token_logprobs` (fp32, atol 1e-4); eos / custom stopping criteria end rows exactly where they should;
 - generation_config saved and loaded; `pipeline("text-generation")` == greedy generate;
@@ -171,6 +172,22 @@ def test_generate_greedy_equals_torch_engine_and_no_cache(model):
             else:
                 assert got.lens == want.lens
                 assert torch.allclose(got[0], want[0], atol=CACHE_TOL, rtol=0)
+
+
+@torch.no_grad()
+def test_generate_continues_a_returned_cache(model):
+    """transformers' multi-turn cache reuse: generate again on (sequences + a new turn) with the cache the
+    first call returned; generate feeds only the columns the cache lacks. == a fresh generate on the whole
+    history."""
+    seqs = _seqs([6, 3], seed=16)
+    ids, mask = _pad(seqs, "left")
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True)
+    hist = torch.cat([first.sequences, torch.stack(_seqs([3, 3], seed=17))], 1)
+    hmask = torch.cat([mask, torch.ones(2, hist.shape[1] - mask.shape[1], dtype=torch.long)], 1)
+    kw = dict(attention_mask=hmask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    cont = model.generate(hist, past_key_values=first.past_key_values, **kw)
+    assert torch.equal(cont, model.generate(hist, **kw))
 
 
 @torch.no_grad()
