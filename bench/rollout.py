@@ -1,9 +1,9 @@
 """Rollout benchmarks -> bench/results/rollout.json (ratios against baselines measured in the same run).
 
 1. decode: TorchEngine (incremental cache, batched) vs a naive no-cache loop (packed full forward over the
-   whole sequence every step) vs Hugging Face `generate`. HF cannot drive OdysseyForCausalLM directly (it is
-   not a GenerationMixin and OdysseyCache is not an HF Cache); through a thin GenerationMixin adapter it runs
-   with use_cache=False, i.e. full recompute. Greedy decoding, so all three must produce the same tokens.
+   whole sequence every step) vs Hugging Face `generate` (native since issue 34: left-padded batch with the
+   model's OdysseyHFCache; results/rollout.json predates it and holds the earlier no-cache adapter's numbers).
+   Greedy decoding, so all three must produce the same tokens.
 2. agent loop: arith episodes/s in real Docker sandboxes on the tiny policy, concurrency 4 vs 1 (the shared
    batched engine), plus a scripted calc-calling policy (the sandbox round-trip bound).
 3. long observation: chunked prefill of --long-tokens tokens on a session (a subprocess measures peak RSS)
@@ -74,41 +74,19 @@ def bench_naive(model, ps, new) -> tuple[float, list[list[int]]]:
 
 
 def bench_hf_generate(model, ps, new) -> tuple[float | None, list[list[int]] | None, str]:
-    from transformers import GenerationMixin
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    if isinstance(model, GenerationMixin):
-        note = "native"
-    else:
-        note = (
-            "OdysseyForCausalLM is not a GenerationMixin and OdysseyCache is not an HF Cache; driven "
-            "through a GenerationMixin adapter with use_cache=False (full recompute each step)"
-        )
-
-    class HFAdapter(type(model), GenerationMixin):
-        def forward(self, input_ids, attention_mask=None, **kw):  # equal-length rows: no mask needed
-            return CausalLMOutputWithPast(logits=super().forward(input_ids).logits)
-
-        def prepare_inputs_for_generation(self, input_ids, **kw):
-            return {"input_ids": input_ids}
-
-    hf = HFAdapter(model.config).eval()
-    hf.load_state_dict(model.state_dict())
-    outs, total = [], 0.0
-    for p in ps:  # prompts differ in length: one call per sequence (no padding support in the model)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            o = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=new,
-                do_sample=False,
-                use_cache=False,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-        total += time.perf_counter() - t
-        outs.append(o[0, len(p) :].tolist())
-    return total, outs, note
+    """Hugging Face `generate` on the model itself (a GenerationMixin since issue 34): one left-padded batch
+    with an attention_mask and the model's OdysseyHFCache. bench/hf_generate.py compares it in more detail."""
+    T = max(len(p) for p in ps)
+    ids = torch.zeros(len(ps), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(ps):
+        ids[b, T - len(p):], mask[b, T - len(p):] = torch.tensor(p), 1
+    t = time.perf_counter()
+    with torch.inference_mode():
+        o = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=0)
+    total = time.perf_counter() - t
+    return total, o[:, T:].tolist(), "native generate, left-padded batch, OdysseyHFCache"
 
 
 def decode_section(model, B: int, P: int, new: int, with_hf: bool) -> dict:

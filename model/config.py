@@ -34,6 +34,7 @@ Assumed (chosen from the Kimi K2 / Kimi Linear lineage, then the shared-expert w
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
@@ -77,6 +78,10 @@ class OdysseyConfig(PretrainedConfig):
 
     model_type = "odyssey_moe"
     keys_to_ignore_at_inference = ["cache"]
+    # no remote code: the classes register with the Auto classes on import (model.modeling). Tools that read
+    # config.auto_map (TRL's create_model_from_path, AutoModel*.from_pretrained) find no entry and use the
+    # registered AutoModelForCausalLM. A class attribute: never written to config.json.
+    auto_map = MappingProxyType({})
 
     vocab_size: int = 4096
     hidden_size: int = 128

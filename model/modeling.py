@@ -21,6 +21,11 @@ decoder layer keep only its inputs (the AttnRes sources) during a forward with g
 activations in the backward. MoE statistics are recorded again by the recomputation unless the caller
 turns recording off around the backward (`model.moe.statistics_recording`; the learner does).
 
+Hugging Face conventions (docs/hf.md): without cu_seqlens, `OdysseyModel` / `OdysseyForCausalLM` also take
+the padded form (input_ids [B, T] + attention_mask, position_ids, past_key_values = `OdysseyHFCache`,
+logits_to_keep), run as the packed form (model/padding.py), so padded == packed exactly; the causal LM is a
+`GenerationMixin` (`generate`, `pipeline`, TRL).
+
 Importing this module registers the config/model with `AutoConfig` / `AutoModel` / `AutoModelForCausalLM`.
 """
 
@@ -33,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers import initialization as init
+from transformers.generation import GenerationMixin
 from transformers.utils import ModelOutput
 
 from model import fused_cpu
@@ -43,10 +49,12 @@ from model.cache import LayerCache, OdysseyCache
 from model.config import OdysseyConfig
 from model.ffn import DenseFFN
 from model.fused_weights import small_linear
+from model.hf_cache import OdysseyHFCache
 from model.kda import KDAttention, initial_dt_bias
 from model.mla import GatedMLA, MLALatentCache
 from model.moe import LatentMoE, Router, aggregate_load_metrics
 from model.norm import RMSNorm
+from model.padding import PaddedLayout, boundaries_from_position_ids
 from model.short_conv import seq_lens_from_cu
 
 IGNORE_INDEX = -100
@@ -56,13 +64,57 @@ IGNORE_INDEX = -100
 class OdysseyOutput(ModelOutput):
     """logits [T, V] (or [B, T, V]); cache: the advanced OdysseyCache (None unless cache/use_cache);
     routed_experts int64 [T, n_moe_layers, k] (None unless requested); aux_loss: summed MoE balancing
-    loss (None unless balancing == "aux_loss"); loss: mean next-token NLL (+ aux_loss) when labels given."""
+    loss (None unless balancing == "aux_loss"); loss: mean next-token NLL (+ aux_loss) when labels given;
+    past_key_values: the advanced OdysseyHFCache of a padded call (or of [B, T] input with use_cache)."""
 
     logits: torch.Tensor | None = None
     cache: OdysseyCache | None = None
     routed_experts: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     loss: torch.Tensor | None = None
+    past_key_values: OdysseyHFCache | None = None
+
+
+@dataclass
+class OdysseyModelOutput(ModelOutput):
+    """The backbone's Hugging Face-style output (`OdysseyModel.forward` without cu_seqlens):
+    last_hidden_state [B, T, D] (zeros at padding positions); past_key_values: the advanced OdysseyHFCache
+    (None unless use_cache / a cache was given); aux_loss: summed MoE balancing loss (or None)."""
+
+    last_hidden_state: torch.Tensor | None = None
+    past_key_values: OdysseyHFCache | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+@dataclass
+class PaddedRun:
+    """What `OdysseyModel.forward_padded` computed: packed hidden [n, D] of the n real tokens, their layout
+    in the [B, T] batch, the advanced cache, routed experts [n, n_moe, k] | None, aux_loss | None."""
+
+    hidden: torch.Tensor
+    layout: PaddedLayout
+    past_key_values: OdysseyHFCache | None
+    routed_experts: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+
+
+# packed backbone return: (hidden [T, D], layer caches | None, routed experts | None, aux_loss | None)
+PackedRun = tuple[torch.Tensor, list[LayerCache] | None, torch.Tensor | None, torch.Tensor | None]
+
+# Hugging Face forward kwargs refused when set (others, e.g. return_dict, are ignored, as HF models do)
+_HF_UNSUPPORTED = {
+    "inputs_embeds": "pass input_ids (the model embeds them itself)",
+    "output_attentions": "the model has no attention-probability tensors to return (KDA is recurrent)",
+    "output_hidden_states": "call model.model(...) for the last hidden state [B, T, D]",
+}
+
+
+def _check_hf_kwargs(kwargs: dict[str, Any]) -> None:
+    """Refuse the Hugging Face forward kwargs the model cannot honour (unknown ones are ignored)."""
+    for name, fix in _HF_UNSUPPORTED.items():
+        v = kwargs.get(name)
+        if v is not None and v is not False:
+            raise ValueError(f"OdysseyForCausalLM does not support {name}: {fix}")
 
 
 class OdysseyDecoderLayer(nn.Module):
@@ -191,17 +243,132 @@ class OdysseyModel(OdysseyPreTrainedModel):
 
     def forward(
         self,
+        input_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: OdysseyCache | None = None,
+        replay_experts: torch.Tensor | None = None,
+        return_routed_experts: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: OdysseyHFCache | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> PackedRun | OdysseyModelOutput:
+        """Two calling conventions.
+
+        Packed (cu_seqlens given; the trainer, the engines, the vLLM plugin): input_ids [T], cu_seqlens
+        int32 [N+1] -> (hidden [T, D], new layer caches | None, routed_experts [T, n_moe, k] | None,
+        aux_loss | None).
+        Inputs are assumed validated. A decode step (a cache, one new token per sequence) without autograd on
+        fp32 CPU runs `decode_step`, the same layers through their fused small-batch paths.
+
+        Hugging Face (cu_seqlens None): input_ids [B, T], attention_mask [B, T] or [B, past + T],
+        position_ids, past_key_values (OdysseyHFCache), use_cache -> OdysseyModelOutput(last_hidden_state
+        [B, T, D], past_key_values, aux_loss); see `forward_padded`.
+        """
+        if cu_seqlens is None:
+            if cache is not None:
+                raise ValueError("cache (OdysseyCache) belongs to the packed call with cu_seqlens; a padded "
+                                 "call takes past_key_values (OdysseyHFCache)")
+            _check_hf_kwargs(kwargs)
+            run = self.forward_padded(input_ids, attention_mask, position_ids, past_key_values,
+                                      bool(use_cache), replay_experts, return_routed_experts)
+            return OdysseyModelOutput(last_hidden_state=run.layout.unpack(run.hidden),
+                                      past_key_values=run.past_key_values, aux_loss=run.aux_loss)
+        return self._forward_packed(input_ids, cu_seqlens, cache, replay_experts, return_routed_experts)
+
+    def forward_padded(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: OdysseyHFCache | None = None,
+        use_cache: bool = False,
+        replay_experts: torch.Tensor | None = None,
+        return_routed_experts: bool = False,
+    ) -> PaddedRun:
+        """The packed forward on a Hugging Face-style batch (model/padding.py): the real tokens of each row
+        are packed, run, and returned packed with their layout, so padded outputs equal packed ones exactly.
+
+        input_ids [B, T] (or [T], one row). attention_mask [B, T] (the new columns) or [B, past + T]
+        (transformers' convention with a cache: past columns first); 1 = real token, any padding pattern.
+        position_ids [B, T]: unused by the model (NoPE: KDA and MLA take no positions), except without an
+        attention_mask and cache, where a restart at 0 inside a row starts a new sequence (HF padding-free
+        packing). past_key_values: an OdysseyHFCache (row b = batch row b); use_cache=True without one starts
+        a new cache. replay_experts [B, T, n_moe, k] (R3) is packed the same way.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point:
+            raise ValueError("input_ids must be an integer tensor of token ids [batch, seq_len]")
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len] (or packed [T] with cu_seqlens), got shape "
+                             f"{tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if past_key_values is not None and not isinstance(past_key_values, OdysseyHFCache):
+            raise ValueError(f"past_key_values must be an OdysseyHFCache (model.model.new_cache() or None), "
+                             f"got {type(past_key_values).__name__}: KDA's recurrent state and MLA's latents "
+                             "do not fit a key/value cache")
+        past = past_key_values
+        if past is None and use_cache:
+            past = OdysseyHFCache(self.config)
+        seen = past.get_seq_length() if past is not None else 0
+        cu_from_positions = None
+        if attention_mask is None:
+            mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+            if position_ids is not None:
+                if position_ids.shape[-1] != T or position_ids.numel() != B * T:
+                    raise ValueError(f"position_ids must be [batch, seq_len] = [{B}, {T}] like input_ids, "
+                                     f"got {tuple(position_ids.shape)}")
+                cu_from_positions = boundaries_from_position_ids(position_ids.reshape(B, T))
+                if cu_from_positions is not None and seen:
+                    raise ValueError("position_ids restarting at 0 (several sequences per row) cannot "
+                                     "continue a cache: pass one sequence per row with an attention_mask")
+        else:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or \
+                    attention_mask.shape[1] not in (T, seen + T):
+                raise ValueError(f"attention_mask must be [batch, seq_len] = [{B}, {T}] or, with a cache "
+                                 f"holding {seen} columns, [{B}, {seen + T}]; got "
+                                 f"{tuple(attention_mask.shape)}")
+            mask = attention_mask[:, attention_mask.shape[1] - T:]
+        layout = PaddedLayout.from_mask(mask)
+        ids = layout.pack(input_ids)
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"input_ids hold ids in [{lo}, {hi}] but vocab_size is "
+                                 f"{self.config.vocab_size}; was the tokenizer built for a different model?")
+        replay = None
+        if replay_experts is not None:
+            n_moe, k = len(self.moe_layer_indices), self.config.num_experts_per_tok
+            if tuple(replay_experts.shape) != (B, T, n_moe, k):
+                raise ValueError(f"replay_experts must be [batch, seq_len, n_moe_layers, k] = [{B}, {T}, "
+                                 f"{n_moe}, {k}], got {tuple(replay_experts.shape)}")
+            replay = layout.pack(replay_experts)
+        cu = layout.cu_seqlens if cu_from_positions is None else cu_from_positions
+        if past is not None and cu_from_positions is not None:
+            raise ValueError("position_ids restarting at 0 (several sequences per row) cannot build a cache: "
+                             "call with use_cache=False")
+        state = past.ensure_state(B, ids.device, self.dtype) if past is not None else None
+        h, new_layers, routed, aux = self._forward_packed(ids, cu, state, replay, return_routed_experts)
+        if past is not None:
+            past.state = state.advanced(new_layers, layout.lens)
+            past.seen_columns = seen + T
+        return PaddedRun(h, layout, past, routed, aux)
+
+    def new_cache(self) -> OdysseyHFCache:
+        """An empty OdysseyHFCache for this model (its rows are created by the first forward)."""
+        return OdysseyHFCache(self.config)
+
+    def _forward_packed(
+        self,
         input_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         cache: OdysseyCache | None = None,
         replay_experts: torch.Tensor | None = None,
         return_routed_experts: bool = False,
     ) -> tuple[torch.Tensor, list[LayerCache] | None, torch.Tensor | None, torch.Tensor | None]:
-        """Packed input_ids [T], cu_seqlens int32 [N+1] -> (hidden [T, D], new layer caches | None,
-        routed_experts [T, n_moe, k] | None, aux_loss | None). Inputs are assumed validated.
-
-        A decode step (a cache, one new token per sequence) without autograd on fp32 CPU runs `decode_step`,
-        the same layers through their fused small-batch paths."""
+        """The packed forward (see `forward`)."""
         if cache is not None and self._decode_eligible(input_ids, cu_seqlens, cache):
             return self.decode_step(input_ids, cu_seqlens, cache, replay_experts, return_routed_experts)
         stream = AttnResStream([self.embed_tokens(input_ids)])
@@ -299,16 +466,56 @@ class OdysseyModel(OdysseyPreTrainedModel):
         return h, new_layers, torch.stack(routed, dim=1) if routed else None, aux
 
 
+def _is_zero(x: int | torch.Tensor) -> bool:
+    return isinstance(x, int) and x == 0
+
+
+def _kept_columns(logits_to_keep: int | torch.Tensor, T: int, device: torch.device) -> torch.Tensor | None:
+    """HF's logits_to_keep: 0 = all columns (None), k > 0 = the last k, a 1-D tensor = those columns."""
+    if isinstance(logits_to_keep, int):
+        if logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be >= 0 (0 = all positions), got {logits_to_keep}")
+        if logits_to_keep == 0:
+            return None
+        return torch.arange(max(T - logits_to_keep, 0), T, device=device)
+    return logits_to_keep.to(device=device, dtype=torch.long).reshape(-1)
+
+
+def _packed_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor,
+                 aux: torch.Tensor | None, num_items_in_batch: int | torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Mean next-token NLL of packed logits [T, V] against labels [T] shifted inside each sequence of
+    cu_seqlens (position t predicts labels[t+1] of its own sequence), -100 masked; + aux. With
+    num_items_in_batch: the summed NLL divided by it (HF trainers' gradient-accumulation normalisation)."""
+    T = labels.shape[0]
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    if T > 1:
+        shifted[:-1] = labels[1:]
+    ends = cu_seqlens[1:].long() - 1
+    shifted[ends[ends >= 0]] = IGNORE_INDEX  # never predict across a sequence boundary
+    if num_items_in_batch is None:
+        loss = F.cross_entropy(logits.float(), shifted, ignore_index=IGNORE_INDEX)
+    else:
+        loss = F.cross_entropy(logits.float(), shifted, ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = loss / num_items_in_batch
+    return loss + aux if aux is not None else loss
+
+
 def _chunk_logprobs(h: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """log softmax(W h)[target] in fp32 for one chunk: h [c, D], targets [c], W [V, D] -> [c]."""
     logits = F.linear(h, weight).float()
     return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 
-class OdysseyForCausalLM(OdysseyPreTrainedModel):
-    """Causal LM head over `OdysseyModel`. See the module docstring for the input layout."""
+class OdysseyForCausalLM(OdysseyPreTrainedModel, GenerationMixin):
+    """Causal LM head over `OdysseyModel`. See the module docstring for the input layout.
+
+    A transformers `GenerationMixin`: `generate`, `pipeline("text-generation")` and TRL use the padded
+    convention of `forward` and an `OdysseyHFCache` (docs/hf.md).
+    """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _is_stateful = True  # recurrent KDA state: no cache rollback (assisted generation is refused by generate)
 
     def __init__(self, config: OdysseyConfig) -> None:
         super().__init__(config)
@@ -417,15 +624,37 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel):
         replay_experts: torch.Tensor | None = None,
         return_routed_experts: bool = False,
         labels: torch.Tensor | None = None,
-        use_cache: bool = False,
+        use_cache: bool | None = False,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: OdysseyHFCache | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
     ) -> OdysseyOutput:
-        """input_ids [T] + cu_seqlens int32 [N+1] (or [B, T]) -> OdysseyOutput.
+        """Packed: input_ids [T] + cu_seqlens int32 [N+1] (or [B, T] equal-length rows) -> OdysseyOutput.
 
         cache: the N sequences' OdysseyCache (new tokens are appended to row n); use_cache=True with no
         cache starts from an empty one. The returned cache is new; the given one is left untouched.
         labels: same shape as input_ids; position t is trained to predict labels[t+1] of the same
         sequence (HF convention, shifted inside each packed sequence); IGNORE_INDEX (-100) masks a target.
+
+        Padded (Hugging Face): any of attention_mask, position_ids, past_key_values or logits_to_keep
+        selects `forward_padded`: input_ids [B, T] with padding anywhere, logits [B, T, V] (zeros at padding
+        positions), past_key_values an OdysseyHFCache advanced in place. Exactly the packed outputs of the
+        rows' real tokens (model/padding.py).
         """
+        padded = [name for name, v in (("attention_mask", attention_mask), ("position_ids", position_ids),
+                                       ("past_key_values", past_key_values)) if v is not None]
+        padded += [] if _is_zero(logits_to_keep) else ["logits_to_keep"]
+        if padded or kwargs:
+            if cu_seqlens is not None or cache is not None:
+                raise ValueError(f"pass either the packed form (cu_seqlens, cache) or the padded form "
+                                 f"(attention_mask, position_ids, past_key_values, ...), not both; got "
+                                 f"{', '.join(padded + sorted(kwargs))} with the packed form")
+            _check_hf_kwargs(kwargs)
+            return self.forward_padded(input_ids, attention_mask, position_ids, past_key_values,
+                                       bool(use_cache), labels, logits_to_keep, replay_experts,
+                                       return_routed_experts, kwargs.get("num_items_in_batch"))
         ids, cu, lens, replay, batch_shape = self._pack(input_ids, cu_seqlens, replay_experts,
                                                         "replay_experts")
         T = ids.shape[0]
@@ -441,21 +670,85 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel):
 
         loss = None
         if labels is not None:
-            lab = labels.reshape(T).to(ids.device)
-            shifted = torch.full_like(lab, IGNORE_INDEX)
-            if T > 1:
-                shifted[:-1] = lab[1:]
-            ends = cu[1:].long() - 1
-            shifted[ends[ends >= 0]] = IGNORE_INDEX  # never predict across a sequence boundary
-            loss = F.cross_entropy(logits.float(), shifted, ignore_index=IGNORE_INDEX)
-            if aux is not None:
-                loss = loss + aux
+            loss = _packed_loss(logits, labels.reshape(T).to(ids.device), cu, aux)
 
+        hf_cache = None
         if batch_shape is not None:
             logits = logits.reshape(*batch_shape, -1)
             if routed is not None:
                 routed = routed.reshape(*batch_shape, *routed.shape[1:])
-        return OdysseyOutput(logits=logits, cache=new_cache, routed_experts=routed, aux_loss=aux, loss=loss)
+            if new_cache is not None:  # the same state, for a Hugging Face-style next call
+                hf_cache = OdysseyHFCache(self.config, new_cache, seen_columns=batch_shape[1])
+        return OdysseyOutput(logits=logits, cache=new_cache, routed_experts=routed, aux_loss=aux, loss=loss,
+                             past_key_values=hf_cache)
+
+    def forward_padded(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: OdysseyHFCache | None = None,
+        use_cache: bool = False,
+        labels: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        replay_experts: torch.Tensor | None = None,
+        return_routed_experts: bool = False,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> OdysseyOutput:
+        """The padded (Hugging Face) forward: `OdysseyModel.forward_padded`, then the LM head on real tokens.
+
+        Returns OdysseyOutput with logits [B, T', V] (T' = T, or the last logits_to_keep columns; an index
+        tensor selects those columns), zeros at padding positions; past_key_values: the advanced cache (also
+        returned by generate); routed_experts [B, T, n_moe, k] when asked.
+        labels [B, T]: a real token predicts the label of the next real token of its row (with right or left
+        padding that is HF's labels[:, t+1]); labels at padding positions are never targets; -100 masks.
+        loss = mean NLL over the targets (sum / num_items_in_batch when given, as HF trainers pass it)
+        + aux_loss.
+        """
+        run = self.model.forward_padded(input_ids, attention_mask, position_ids, past_key_values, use_cache,
+                                        replay_experts, return_routed_experts)
+        layout, h = run.layout, run.hidden
+        B, T = layout.shape
+        loss = None
+        if labels is not None:
+            if labels.numel() != B * T or labels.shape[-1] != T:
+                raise ValueError(f"labels must be [batch, seq_len] = [{B}, {T}] like input_ids, got "
+                                 f"{tuple(labels.shape)}")
+            lab = layout.pack(labels.reshape(B, T).to(h.device))
+            logits_all = self.lm_head(h)
+            loss = _packed_loss(logits_all, lab, layout.cu_seqlens, run.aux_loss, num_items_in_batch)
+        cols = _kept_columns(logits_to_keep, T, h.device)
+        if cols is None:
+            logits = layout.unpack(self.lm_head(h) if labels is None else logits_all)
+        else:  # the LM head only on the real tokens of the kept columns
+            keep = torch.zeros_like(layout.keep)
+            keep[:, cols] = layout.keep[:, cols]
+            sel = keep.reshape(-1)[layout.index]  # [n] bool: packed token is in a kept column
+            sub = self.lm_head(h[sel])
+            full = sub.new_zeros(B * T, sub.shape[-1]).index_copy(0, layout.index[sel], sub)
+            logits = full.reshape(B, T, -1)[:, cols]
+        routed = layout.unpack(run.routed_experts) if run.routed_experts is not None else None
+        return OdysseyOutput(logits=logits, routed_experts=routed, aux_loss=run.aux_loss, loss=loss,
+                             past_key_values=run.past_key_values)
+
+    # ---- generate -------------------------------------------------------------------------------
+    def _prepare_cache_for_generation(self, generation_config: GenerationConfig, model_kwargs: dict,
+                                      *args: Any, **kwargs: Any) -> None:
+        """generate's cache: an OdysseyHFCache (transformers would build a DynamicCache from layer_types,
+        which has no KDA / latent-MLA layer)."""
+        user = model_kwargs.get("past_key_values")
+        if user is not None:
+            if not isinstance(user, OdysseyHFCache):
+                raise ValueError(f"past_key_values must be an OdysseyHFCache (model.model.new_cache()), got "
+                                 f"{type(user).__name__}")
+            user._is_user_defined = True
+            return
+        if generation_config.use_cache is False:
+            return
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not "
+                             "supported by OdysseyForCausalLM: leave it unset (it has its own cache)")
+        model_kwargs["past_key_values"] = OdysseyHFCache(self.config)
 
     def token_logprobs(
         self,
