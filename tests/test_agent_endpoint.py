@@ -318,3 +318,41 @@ def test_agent_env_configuration_errors_name_the_fix():
         AgentEnv(agent=_raising_agent).generate_task(0, {})
     with pytest.raises(ValueError, match="no_such_module"):
         AgentEnv(agent="no_such_module:solve")
+
+
+# ------------------------------------------------------------------------------ odyssey train, on Ray
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_odyssey_train_runs_an_openai_client_agent_faithfully(ray_session, tmp_path):
+    """`odyssey train configs/agent_tiny.yaml` (in process: rl.train.train) on a real Ray cluster: the
+    unmodified example agent plays every episode through the worker's endpoint, the learner trains two
+    steps on them, and every stored trajectory of the first policy version equals the trainer's forward
+    of that version (log-probs <= 1e-4, routes equal)."""
+    from rl.config import load_config
+    from rl.rollout.worker import WorkerSettings, build_policy
+    from rl.train import train
+    from rl.trajectory import TrajectoryStore
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"logging.run_dir={run_dir}",
+        "learner.steps=2",
+        "rollout.episodes=4",
+        "rollout.max_new_tokens=24",
+        "rollout.max_tokens=1024",
+        "orchestrator.eval_every=0",
+        "orchestrator.max_staleness=0",
+    ]
+    cfg = load_config("configs/agent_tiny.yaml", overrides)
+    summary = train(cfg, config_path="configs/agent_tiny.yaml")
+    assert summary["steps"] == 2, summary
+    trajs = list(TrajectoryStore(run_dir / "trajectories"))
+    assert len(trajs) >= 8 and all(t.infra_error is None for t in trajs), [t.infra_error for t in trajs]
+    assert all(t.metadata["env_id"] == "agent" and t.metadata["requests"] >= 1 for t in trajs)
+    assert all(t.outcome is not None and "total" in t.rewards for t in trajs)
+    first = [t for t in trajs if t.metadata["policy_version"] == 0 and t.metadata["policy_version_end"] == 0]
+    assert len(first) >= 4
+    model = build_policy(WorkerSettings.from_config(cfg))
+    for t in first:
+        _trainer_check(model, t)
