@@ -15,6 +15,7 @@ when `logging.wandb_project` is set, and then `wandb` must be installed (a clear
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,22 @@ TENSORBOARD_DIR = "tensorboard"
 SAMPLES_TEXT_FILE = "samples_text.jsonl"
 
 
+def _after_existing_event_files(log_dir: Path) -> None:
+    """Wait (at most a second) until a new event file sorts after every existing one. TensorBoard reads a
+    run's files in name order, `events.out.tfevents.<unix seconds>.<host>.<pid>.<writer counter>`: within
+    one second the counter decides, as text ("10" < "9"), and a resume file read before the file it purges
+    would purge nothing."""
+    seconds = []
+    for f in log_dir.glob("events.out.tfevents.*"):
+        part = f.name.split(".")[3]
+        if part.isdigit():
+            seconds.append(int(part))
+    if seconds:
+        wait = max(seconds) + 1 - time.time()
+        if wait > 0:
+            time.sleep(wait)
+
+
 class TensorBoardSink:
     """Scalars (one per numeric key of the record) and a markdown text table of sampled rollouts."""
 
@@ -31,6 +48,8 @@ class TensorBoardSink:
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: a resumed run hides the events of steps >= purge_step that the crashed run wrote
+        if purge_step is not None:
+            _after_existing_event_files(Path(log_dir))
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def write(self, record: dict[str, Any]) -> None:
