@@ -28,7 +28,9 @@ def _scalars(log_dir):
 
 
 @pytest.mark.parametrize("counter_rolls_over", [False, True])
-def test_jsonl_and_tensorboard_get_the_same_record_and_resume_purges_redone_steps(tmp_path, counter_rolls_over):
+def test_jsonl_and_tensorboard_get_the_same_record_and_resume_purges_redone_steps(
+    tmp_path, counter_rolls_over
+):
     """counter_rolls_over: the two runs' event files get writer counters 9 and 10 (TensorBoard sorts the
     names as text, so within one second "...10" came first and purged nothing; it failed under load)."""
     if counter_rolls_over:
