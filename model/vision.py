@@ -23,8 +23,9 @@ embedding instead of a token embedding:
 and from there the patch tokens go through the same KDA / MLA / MoE layers as text. Order within an image
 comes from the 2-D code and from the row-break tokens (the backbone itself has no positions).
 
-Those functions are the one definition of the layout: the tokenizer's chat helpers (model/tokenizer.py),
-the trajectory validation (rl/) and the model all call them.
+The layout functions live in model/image_tokens.py (pure Python, re-exported here): they are its one
+definition, which the tokenizer's chat helpers (model/tokenizer.py), the trajectory checks (rl/) and the
+model all call.
 
 Patches reach the model as `ImagePatches` (patches, grid positions and the index of the `<|image_pad|>`
 token each one replaces in the packed input), so packing, chunked prefill and sessions only slice and
@@ -33,7 +34,6 @@ shift it; `ImagePatches.from_images` builds it from pixel tensors and their star
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,44 +41,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: ids of the image tokens in the shipped tokenizer (model/tokenizer.py: the four former reserved slots)
-IMAGE_START_ID, IMAGE_PAD_ID, IMAGE_ROW_BREAK_ID, IMAGE_END_ID = 12, 13, 14, 15
-IMAGE_TOKEN_IDS = (IMAGE_START_ID, IMAGE_PAD_ID, IMAGE_ROW_BREAK_ID, IMAGE_END_ID)
+from model.image_tokens import (  # noqa: F401  (re-exported: the layout is part of the vision API)
+    IMAGE_END_ID,
+    IMAGE_PAD_ID,
+    IMAGE_ROW_BREAK_ID,
+    IMAGE_START_ID,
+    IMAGE_TOKEN_IDS,
+    image_grid,
+    image_token_count,
+    image_token_ids,
+)
 
 
 def is_image_token(ids: torch.Tensor) -> torch.Tensor:
     """bool mask, shaped like ids: the token is one of the four image tokens."""
     return torch.isin(ids, torch.tensor(IMAGE_TOKEN_IDS, device=ids.device))
-
-
-def image_grid(height: int, width: int, patch_size: int, max_pixels: int) -> tuple[int, int]:
-    """The patch grid (h, w) an image of height × width pixels is resized to.
-
-    s = min(1, √(max_pixels / (height·width)));  h = clamp(⌊height·s / p⌋, 1, N);  w = clamp(⌊width·s / p⌋,
-    1, ⌊N / h⌋) with N = ⌊max_pixels / p²⌋ patches, so (h·p)·(w·p) <= max_pixels always (also for extreme
-    aspect ratios) and the aspect ratio is kept up to flooring. Images smaller than one patch become 1 x 1.
-    """
-    for name, v in (("height", height), ("width", width), ("patch_size", patch_size)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"image {name} must be a positive int, got {v!r}")
-    n_max = max_pixels // (patch_size * patch_size)
-    if n_max < 1:
-        raise ValueError(f"max_pixels={max_pixels} is smaller than one {patch_size}x{patch_size} patch; "
-                         f"raise vision_max_pixels to at least {patch_size * patch_size}")
-    s = min(1.0, math.sqrt(max_pixels / (height * width)))
-    h = min(max(1, int(height * s) // patch_size), n_max)
-    w = min(max(1, int(width * s) // patch_size), n_max // h)
-    return h, w
-
-
-def image_token_count(h: int, w: int) -> int:
-    """Tokens of one image with an h x w patch grid: start + h rows of (w pads + row break) + end."""
-    return h * (w + 1) + 2
-
-
-def image_token_ids(h: int, w: int) -> list[int]:
-    """The token ids of one image block (see the module docstring), length `image_token_count(h, w)`."""
-    return [IMAGE_START_ID] + ([IMAGE_PAD_ID] * w + [IMAGE_ROW_BREAK_ID]) * h + [IMAGE_END_ID]
 
 
 def pad_offsets(h: int, w: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from model.context_parallel import context_parallel_forward, gather_shards, shard_bounds
 from model.modeling import OdysseyForCausalLM
 from model.sequence_chunks import chunked_forward
+from model.vision import ImagePatches
 from rl.learner.packing import MicroBatch
 from rl.learner.value import Critic, ValueHead
 
@@ -120,11 +121,20 @@ class TrainModule(nn.Module):
         ids, cu = mb.input_ids.to(dev), mb.cu_seqlens.to(dev)
         rep = mb.replay.to(dev) if replay else None  # shape and range checked per trajectory (batch.py)
         pos = mb.scored_pos.to(dev)
+        if mb.images is not None and mb.images.n:
+            if self.context_parallel_group is not None or self.chunks(mb) > 1:
+                raise ValueError("this micro-batch holds images, which learner.context_parallel and "
+                                 "learner.sequence_chunk_tokens do not carry yet; set context_parallel=1 and "
+                                 "sequence_chunk_tokens=0 (or larger than learner.micro_batch_tokens) for "
+                                 "image episodes")
+            if values and not isinstance(self.value, ValueHead):
+                raise ValueError("a separate critic (learner.value_model=critic) does not see images yet; "
+                                 "use learner.value_model=head for image episodes")
         if self.context_parallel_group is not None:
             return self._context_parallel(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
         if self.chunks(mb) > 1:
             return self._chunked(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
-        return self._whole(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
+        return self._whole(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images)
 
     def _chunked(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None, pos: torch.Tensor,
                  targets: torch.Tensor, return_routed: bool, values: bool) -> ForwardOut:
@@ -185,9 +195,10 @@ class TrainModule(nn.Module):
                           routed=routed_all, aux=None)
 
     def _whole(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None, pos: torch.Tensor,
-               targets: torch.Tensor, return_routed: bool, values: bool) -> ForwardOut:
-        """`forward` in one pass over the whole micro-batch."""
-        h, _, routed, aux = self.policy.model(ids, cu, None, rep, return_routed)
+               targets: torch.Tensor, return_routed: bool, values: bool, images: ImagePatches | None = None
+               ) -> ForwardOut:
+        """`forward` in one pass over the whole micro-batch (with its images, if any)."""
+        h, _, routed, aux = self.policy.model(ids, cu, None, rep, return_routed, images)
         hs = h[pos]
         logp, entropy = head_logprobs(hs, targets, self.policy.lm_head.weight)
         v = None
