@@ -289,6 +289,10 @@ class RolloutWorker:
         if engine is None:
             engine, self._engine_dir = build_engine(settings, self.codec.decode)
         self.engine = engine
+        vision = getattr(engine, "config", None)  # TorchEngine: the policy's config (images need its vision)
+        if getattr(vision, "vision_patch_size", 0):
+            self.codec.patch_size = vision.vision_patch_size
+            self.codec.max_pixels = vision.vision_max_pixels
         self._env_factory = env_factory
         self._pool = sandbox_pool
         self._own_pool = False
