@@ -234,3 +234,51 @@ def test_collate_without_patch_size_fails_clearly(model):
     s = to_sample(vision_traj(21), 0, patch_size=P)
     with pytest.raises(ValueError, match="patch_size"):
         collate([s])
+
+
+def test_sequence_chunked_learner_forward_with_images_equals_one_pass(model):
+    """learner.sequence_chunk_tokens windows (40 tokens: image blocks are cut) carry each window's patches:
+    log-probs equal the whole-micro-batch forward (atol 1e-5 fp32, as tests/test_sequence_chunks.py) and
+    gradients of the patch embedding agree (relative L2 < 1e-4)."""
+    trajs = [vision_traj(30 + i, model) for i in range(2)]
+    mb = collate([to_sample(t, i, patch_size=P) for i, t in enumerate(trajs)], with_replay=True, patch_size=P)
+    whole, chunked = TrainModule(model), TrainModule(model, sequence_chunk_tokens=40)
+    assert chunked.chunks(mb) > 1
+    offs = np.cumsum([0] + [t.n_tokens - 1 for t in trajs])  # packed offset of each sample's inputs
+    assert any(
+        (o + s.start) // 40 != (o + s.end - 2) // 40 for o, t in zip(offs, trajs) for s in t.image_spans
+    )
+    grads = []
+    for tm in (whole, chunked):
+        model.zero_grad()
+        out = tm(mb, replay=True)
+        out.logp.sum().backward()
+        grads.append((out.logp.detach(), model.model.vision.weight.grad.clone()))
+    model.zero_grad()
+    torch.testing.assert_close(grads[1][0], grads[0][0], atol=1e-5, rtol=0)
+    rel = (grads[1][1] - grads[0][1]).norm() / grads[0][1].norm()
+    assert rel < 1e-4, rel
+
+
+def test_critic_reads_images_with_the_policys_patch_size(model):
+    """A separate critic (a copy of the policy's trunk) sees the micro-batch's images: its values equal its
+    trunk's forward with the same patches (exact); a critic with another patch size is refused by name."""
+    import copy
+
+    from model.modeling import OdysseyModel
+    from rl.learner.value import Critic
+
+    t = vision_traj(40, model)
+    mb = collate([to_sample(t, 0, patch_size=P)], patch_size=P)
+    critic = Critic(copy.deepcopy(model.model)).eval()
+    with torch.no_grad():
+        critic.head.proj.weight.normal_()  # the value head starts at zero: give it a direction to read
+    with torch.no_grad():
+        out = TrainModule(model, critic)(mb, values=True)
+        h, _, _, _ = critic.trunk(mb.input_ids, mb.cu_seqlens, None, None, False, mb.images)
+        blind, _, _, _ = critic.trunk(mb.input_ids, mb.cu_seqlens, None, None, False)
+    torch.testing.assert_close(out.values, critic.head(h[mb.scored_pos]), atol=0, rtol=0)
+    assert not torch.allclose(out.values, critic.head(blind[mb.scored_pos]))  # the images reached it
+    other = Critic(OdysseyModel(OdysseyConfig.from_preset("tiny", vision_patch_size=16)))
+    with pytest.raises(ValueError, match="critic's patch size \\(16\\) is not the policy's \\(8\\)"):
+        TrainModule(model, other)(mb, values=True)

@@ -122,22 +122,24 @@ class TrainModule(nn.Module):
         rep = mb.replay.to(dev) if replay else None  # shape and range checked per trajectory (batch.py)
         pos = mb.scored_pos.to(dev)
         if mb.images is not None and mb.images.n:
-            if self.context_parallel_group is not None or self.chunks(mb) > 1:
-                raise ValueError("this micro-batch holds images, which learner.context_parallel and "
-                                 "learner.sequence_chunk_tokens do not carry yet; set context_parallel=1 and "
-                                 "sequence_chunk_tokens=0 (or larger than learner.micro_batch_tokens) for "
-                                 "image episodes")
-            if values and not isinstance(self.value, ValueHead):
-                raise ValueError("a separate critic (learner.value_model=critic) does not see images yet; "
-                                 "use learner.value_model=head for image episodes")
+            if self.context_parallel_group is not None:
+                raise ValueError("this micro-batch holds images, which learner.context_parallel does not "
+                                 "carry yet; set learner.context_parallel=1 for image episodes")
+            critic_p = self.value.trunk.config.vision_patch_size if isinstance(self.value, Critic) else None
+            if values and critic_p is not None and critic_p != policy.config.vision_patch_size:
+                raise ValueError(f"the critic's patch size ({critic_p}) is not the policy's "
+                                 f"({policy.config.vision_patch_size}), so it cannot read this micro-batch's "
+                                 "images; use learner.critic_preset with the policy's vision settings, no "
+                                 "critic_preset (a copy of the policy), or value_model=head")
         if self.context_parallel_group is not None:
             return self._context_parallel(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
         if self.chunks(mb) > 1:
-            return self._chunked(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
+            return self._chunked(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images)
         return self._whole(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images)
 
     def _chunked(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None, pos: torch.Tensor,
-                 targets: torch.Tensor, return_routed: bool, values: bool) -> ForwardOut:
+                 targets: torch.Tensor, return_routed: bool, values: bool, images: ImagePatches | None = None
+                 ) -> ForwardOut:
         """`forward` in windows of sequence_chunk_tokens (model/sequence_chunks.py): each window's scored
         positions go through the LM head (and value head) inside the window."""
         policy = self.policy
@@ -153,7 +155,8 @@ class TrainModule(nn.Module):
             logp, entropy = head_logprobs(hs, targets[order[a:b]], policy.lm_head.weight)
             return (logp, entropy, self.value(hs)) if values else (logp, entropy)
 
-        outs, routed, _ = chunked_forward(policy.model, ids, cu, rep, self.sequence_chunk_tokens, head)
+        outs, routed, _ = chunked_forward(policy.model, ids, cu, rep, self.sequence_chunk_tokens, head,
+                                          images=images.to(ids.device) if images is not None else None)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         logp, entropy = (torch.cat([o[k] for o in outs])[inverse] for k in (0, 1))
@@ -203,7 +206,7 @@ class TrainModule(nn.Module):
         logp, entropy = head_logprobs(hs, targets, self.policy.lm_head.weight)
         v = None
         if values:
-            v = self.value(hs) if isinstance(self.value, ValueHead) else self.value(ids, cu, pos)
+            v = self.value(hs) if isinstance(self.value, ValueHead) else self.value(ids, cu, pos, images)
         return ForwardOut(logp=logp, entropy=entropy, values=v, routed=routed, aux=aux)
 
 
