@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model.vision import image_grid, image_token_count
+from model.image_tokens import image_grid, image_token_count
 
 #: Pillow modes we decode (everything else is refused with a message naming it)
 ALLOWED_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA")

@@ -76,12 +76,14 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerFast
 
-from model.image import PreparedImage
-from model.vision import IMAGE_TOKEN_IDS, image_token_ids
+from model.image_tokens import IMAGE_TOKEN_IDS, image_token_ids
+
+if TYPE_CHECKING:  # model.image needs torch and Pillow; text-only tokenizing loads neither
+    from model.image import PreparedImage
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 CORPUS_DIR = ASSETS_DIR / "corpus"
@@ -290,6 +292,8 @@ def _check_messages(messages: Sequence[dict[str, Any]]) -> None:
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "image"):
                 continue
+            from model.image import PreparedImage
+
             if m["role"] == "assistant":
                 raise ValueError(f"message {i} (assistant) holds an image part; the policy writes text only: "
                                  "put images in system, user or tool messages")
@@ -389,7 +393,7 @@ def _encode_slotted(
     for m in slots:
         ids += tokenizer.encode(text[pos:m.start()], add_special_tokens=False)
         content = texts[int(m.group(1))]
-        if isinstance(content, PreparedImage):
+        if not isinstance(content, str):  # a PreparedImage (checked by _check_messages)
             out.images.append((len(ids), content))
             ids += image_token_ids(*content.grid)
         else:

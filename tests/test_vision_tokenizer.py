@@ -179,3 +179,24 @@ def test_bad_images_fail_clearly():
         decode_prepared(img.png, P, (1, 2), img.sha256)
     with pytest.raises(ImageError, match="whole number"):
         decode_prepared(encode_png(torch.zeros(3, 9, 8, dtype=torch.uint8)), P)
+
+
+def test_text_only_tokenizing_does_not_load_torch():
+    """model.tokenizer imports the image layout (pure Python) only, as before vision: no torch for text.
+    (Pillow is loaded by transformers itself, with or without vision.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, model.tokenizer as t; tok = t.load_tokenizer(); "
+        "t.encode_chat(tok, [{'role': 'user', 'content': 'hi'}]); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
