@@ -147,3 +147,14 @@ def test_prepare_keeps_text_messages_and_prepares_images_once():
     img = prepare_image(png(1, 16, 16), P, MAX_PIXELS)
     out = codec.prepare([{"role": "tool", "content": [{"type": "image", "image": img}]}])
     assert out[0]["content"][0]["image"] is img
+
+
+def test_worker_codec_gets_the_policy_vision_settings(model):
+    """The rollout worker prepares env images with its policy's vision settings
+    (rl.rollout.worker.policy_vision): TorchEngine's model config, (0, 0) for a text-only policy. VllmEngine's
+    (its checkpoint's config.json) is checked in tests/test_vllm_engine.py."""
+    from rl.rollout.worker import policy_vision
+
+    assert policy_vision(TorchEngine(model)) == (P, MAX_PIXELS)
+    text_only = OdysseyForCausalLM(OdysseyConfig.from_preset("tiny", vision_patch_size=0))
+    assert policy_vision(TorchEngine(text_only))[0] == 0

@@ -290,6 +290,9 @@ def test_images_are_refused_naming_torch_engine(engine):
     with pytest.raises(ValueError, match=r"does not serve images.*rollout.engine=torch"):
         engine.generate([GenerationRequest(enc.ids, SamplingParams(max_new_tokens=2), images=enc.images)])
     assert engine.generate([GenerationRequest(prompt(82, 5), SamplingParams(max_new_tokens=2))])[0].token_ids
+    from rl.rollout.worker import policy_vision
+
+    assert policy_vision(engine) == (8, 64 * 64)  # a worker's codec prepares images, the engine refuses them
 
 
 def test_unknown_architecture_is_named(tmp_path):
