@@ -122,9 +122,6 @@ class TrainModule(nn.Module):
         rep = mb.replay.to(dev) if replay else None  # shape and range checked per trajectory (batch.py)
         pos = mb.scored_pos.to(dev)
         if mb.images is not None and mb.images.n:
-            if self.context_parallel_group is not None:
-                raise ValueError("this micro-batch holds images, which learner.context_parallel does not "
-                                 "carry yet; set learner.context_parallel=1 for image episodes")
             critic_p = self.value.trunk.config.vision_patch_size if isinstance(self.value, Critic) else None
             if values and critic_p is not None and critic_p != policy.config.vision_patch_size:
                 raise ValueError(f"the critic's patch size ({critic_p}) is not the policy's "
@@ -132,7 +129,8 @@ class TrainModule(nn.Module):
                                  "images; use learner.critic_preset with the policy's vision settings, no "
                                  "critic_preset (a copy of the policy), or value_model=head")
         if self.context_parallel_group is not None:
-            return self._context_parallel(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
+            return self._context_parallel(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values,
+                                          mb.images)
         if self.chunks(mb) > 1:
             return self._chunked(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images)
         return self._whole(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images)
@@ -165,8 +163,8 @@ class TrainModule(nn.Module):
                           aux=None)
 
     def _context_parallel(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None,
-                          pos: torch.Tensor,
-                          targets: torch.Tensor, return_routed: bool, values: bool) -> ForwardOut:
+                          pos: torch.Tensor, targets: torch.Tensor, return_routed: bool, values: bool,
+                          images: ImagePatches | None = None) -> ForwardOut:
         """`forward` on this rank's shard of the micro-batch (model/context_parallel.py); the scored positions
         of the shard go through the LM head (and value head) here, and every shard's results are gathered, so
         every rank of the group returns the whole micro-batch's ForwardOut (the loss is then computed whole
@@ -175,10 +173,11 @@ class TrainModule(nn.Module):
         policy = self.policy
         R = dist.get_world_size(group)
         if ids.shape[0] < R:  # too short to split (the idle rank's one token): every rank runs it whole and
-            out = self._whole(ids, cu, rep, pos, targets, return_routed, values)  # gives 1/R of the grad
+            out = self._whole(ids, cu, rep, pos, targets, return_routed, values, images)  # 1/R of the grad
             return ForwardOut(*(None if t is None else _ScaleGrad.apply(t, 1.0 / R) if t.is_floating_point()
                                 else t for t in dataclasses.astuple(out)))
-        h, shard, routed = context_parallel_forward(policy.model, ids, cu, rep, group, return_routed)
+        h, shard, routed = context_parallel_forward(policy.model, ids, cu, rep, group, return_routed,
+                                                    images.to(ids.device) if images is not None else None)
         bounds = torch.tensor(shard_bounds(ids.shape[0], R), device=pos.device)
         owner = torch.bucketize(pos, bounds[1:], right=True)  # shard of each scored position
         mine = (owner == dist.get_rank(group)).nonzero().squeeze(-1)
