@@ -320,3 +320,15 @@ def test_bf16_forward_with_images_is_finite_and_close_to_fp32(model):
     out = bf(t, images=ip, replay_experts=ref.routed_experts).logits.float()
     assert torch.isfinite(out).all()
     assert F.cosine_similarity(out.flatten(), ref.logits.flatten(), dim=0) > 0.98
+
+
+def test_parameter_count_of_the_patch_embedding():
+    """`model.count` reports the patch embedding as its own component: 3p²·D + 2D (W_p, b_p, g), active for
+    every image token; k3 (p=16, D=7168) on the meta device, tiny against a real model's numel."""
+    from model.count import count_parameters
+
+    k3 = count_parameters(OdysseyConfig.from_preset("k3"))
+    assert k3.breakdown["vision"].total == k3.breakdown["vision"].active == 3 * 16 * 16 * 7168 + 2 * 7168
+    tiny = OdysseyForCausalLM(OdysseyConfig.from_preset("tiny"))
+    n = sum(p.numel() for p in tiny.model.vision.parameters())
+    assert count_parameters(tiny.config).breakdown["vision"].total == n == 3 * 8 * 8 * 128 + 2 * 128
