@@ -129,7 +129,10 @@ class OdysseyConfig(PretrainedConfig):
             self.layer_types = default_layer_types(self.num_hidden_layers)
         else:
             self.layer_types = list(self.layer_types)
-        # configs saved before vision carry the reserved ViT-tower fields at their defaults: drop those
+        # configs saved before vision carry the reserved ViT-tower fields at their defaults: drop those, and
+        # read their vision_patch_size=14 (the reserved default, never wired) as what it meant: text only
+        if "vision_hidden_size" in kwargs and self.vision_patch_size == 14:
+            self.vision_patch_size = 0
         legacy = [n for n, d in LEGACY_VISION_FIELDS.items() if n in kwargs and kwargs.pop(n) != d]
         if legacy:
             raise ValueError(f"{', '.join(legacy)}: the reserved ViT-tower fields are gone (vision is a "
@@ -229,7 +232,8 @@ class OdysseyConfig(PretrainedConfig):
 
 
 #: fields of the former reserved ViT-tower design; configs saved before vision (all at their defaults) still
-#: load: the defaults are dropped, any other value is an error (`OdysseyConfig.__post_init__`)
+#: load, as the text-only models they were (vision_patch_size 0): the defaults are dropped, any other value
+#: is an error (`OdysseyConfig.__post_init__`)
 LEGACY_VISION_FIELDS: dict[str, Any] = {
     "vision_hidden_size": 0,
     "vision_num_layers": 0,

@@ -286,9 +286,16 @@ def test_config_vision_fields():
         OdysseyConfig.from_preset("tiny", vision_max_pixels=10)
     with pytest.raises(ValueError, match="reserved ViT-tower fields are gone"):
         OdysseyConfig.from_preset("tiny", vision_num_layers=2)
-    # a config.json written before vision (reserved fields at their defaults) still loads
-    old = OdysseyConfig(vision_hidden_size=0, vision_num_layers=0, vision_num_heads=0, image_token_id=None)
-    assert "vision_hidden_size" not in old.to_dict()
+    # a config.json written before vision (reserved fields at their defaults, vision_patch_size=14) loads as
+    # the text-only model it was: no patch embedding, so its checkpoint's state dict matches exactly
+    old = OdysseyConfig(
+        vision_hidden_size=0,
+        vision_num_layers=0,
+        vision_num_heads=0,
+        vision_patch_size=14,
+        image_token_id=None,
+    )
+    assert "vision_hidden_size" not in old.to_dict() and old.vision_patch_size == 0
 
 
 def test_text_parameters_draw_the_same_values_as_a_text_only_model():
