@@ -14,13 +14,24 @@ turns, tool observations, concatenated in order), with per-token training data:
     token_versions    int32   [T]                  policy version that sampled each generated token, -1 on
                                                    other tokens; optional (None in stores before schema 3)
 
-plus turn spans, one `StepInfo` per env step, rewards and metadata. Assistant turn i is the i-th
-span with role "assistant"; `step_infos[i]` (when it exists) is the env step that consumed that
-turn's text. See docs/trajectory.md.
+plus turn spans, one `StepInfo` per env step, rewards and metadata, and the images the policy saw:
+
+    images            dict[str, bytes]             content-addressed PNGs: sha256 hex digest -> bytes
+    image_spans       list[ImageSpan]              where each image's token block sits: tokens [start, end)
+                                                   (always inside one prompt or observation turn), its image
+                                                   (sha256) and its patch grid (grid_h, grid_w)
+
+The record checks the structure (digests, spans inside non-assistant turns, every image used); that the
+tokens of a span are exactly the image block of its grid is the model's layout (model/vision.py), checked
+where the model is known (rl/trajectory.py `check_image_tokens`, on store read-back and in the learner).
+
+Assistant turn i is the i-th span with role "assistant"; `step_infos[i]` (when it exists) is the env step
+that consumed that turn's text. See docs/trajectory.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field, fields
@@ -187,6 +198,18 @@ class TurnSpan:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class ImageSpan:
+    """Tokens `[start, end)` hold the block of image `sha256` (a key of `Trajectory.images`), a
+    grid_h x grid_w patch grid."""
+
+    sha256: str
+    start: int
+    end: int
+    grid_h: int
+    grid_w: int
+
+
 @dataclass(eq=False)
 class Trajectory:
     """One episode. Arrays are validated and coerced to the documented dtypes on construction.
@@ -211,6 +234,8 @@ class Trajectory:
     turn_rewards: list[float] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
     token_versions: np.ndarray | None = None
+    images: dict[str, bytes] = field(default_factory=dict)
+    image_spans: list[ImageSpan] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = _as_int_array("tokens", self.tokens, np.int32)
@@ -257,6 +282,7 @@ class Trajectory:
         self.rewards = {str(k): float(v) for k, v in self.rewards.items()}
         if not isinstance(self.metadata, dict):
             raise TypeError(f"Trajectory.metadata must be a dict, got {type(self.metadata).__name__}")
+        self.images, self.image_spans = _check_images(self.images, self.image_spans, self.turns, T)
 
     # ---- views -------------------------------------------------------------------------------
     @property
@@ -385,4 +411,46 @@ def _check_mask_in_assistant_spans(mask: np.ndarray, turns: list[TurnSpan]) -> N
         )
 
 
-__all__ = ["ROLES", "StepInfo", "Trajectory", "TurnSpan"]
+def _check_images(images: Any, spans: Any, turns: list[TurnSpan], T: int
+                  ) -> tuple[dict[str, bytes], list[ImageSpan]]:
+    """Validate the images and their spans (see the module docstring); returns them normalised."""
+    if not isinstance(images, Mapping):
+        raise TypeError(f"Trajectory.images must be a dict sha256 -> PNG bytes, got {type(images).__name__}")
+    out: dict[str, bytes] = {}
+    for key, data in images.items():
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"Trajectory.images[{str(key)[:16]}...] must be bytes, got {type(data).__name__}")
+        data = bytes(data)
+        digest = hashlib.sha256(data).hexdigest()
+        if key != digest:
+            raise ValueError(f"Trajectory.images key {str(key)[:16]}... is not the sha256 of its bytes "
+                             f"({digest[:16]}...): images are content-addressed; key each by sha256(bytes)")
+        out[digest] = data
+    norm: list[ImageSpan] = []
+    holder = [(t.start, t.end) for t in turns if t.role != "assistant"]
+    prev_end = 0
+    for i, sp in enumerate(spans):
+        if isinstance(sp, dict):
+            sp = ImageSpan(**sp)
+        if not isinstance(sp, ImageSpan):
+            raise TypeError(f"Trajectory.image_spans[{i}] must be an ImageSpan, got {type(sp).__name__}")
+        sp = ImageSpan(str(sp.sha256), int(sp.start), int(sp.end), int(sp.grid_h), int(sp.grid_w))
+        if sp.sha256 not in out:
+            raise ValueError(f"Trajectory.image_spans[{i}] refers to image {sp.sha256[:16]}... which is not "
+                             "in Trajectory.images; store every image the spans use")
+        if not (prev_end <= sp.start < sp.end <= T) or sp.grid_h < 1 or sp.grid_w < 1:
+            raise ValueError(f"Trajectory.image_spans[{i}] = {sp} must be a non-empty token range inside "
+                             f"[0, T={T}) after the previous span, with a grid of at least 1x1")
+        if not any(a <= sp.start and sp.end <= b for a, b in holder):
+            raise ValueError(f"Trajectory.image_spans[{i}] = [{sp.start}, {sp.end}) is not inside one prompt "
+                             "or observation turn; images enter only through prompts and tool observations")
+        prev_end = sp.end
+        norm.append(sp)
+    unused = set(out) - {sp.sha256 for sp in norm}
+    if unused:
+        raise ValueError(f"Trajectory.images holds {len(unused)} image(s) no span uses (e.g. "
+                         f"{sorted(unused)[0][:16]}...); store only the images the tokens show")
+    return out, norm
+
+
+__all__ = ["ROLES", "ImageSpan", "StepInfo", "Trajectory", "TurnSpan"]

@@ -71,9 +71,9 @@ class OdysseyConfig(PretrainedConfig):
       shared_expert_intermediate_size, balancing, bias_update_speed, aux_loss_coef,
       quantile_exact_max_tokens, quantile_hist_bins, routed_scaling_factor, moe_load_window (steps over
       which `expert_load_metrics()` reports experts that received no token).
-    - vision (not wired into the text model yet, so validation rejects any value but the default; see
-      UNWIRED_FIELDS): vision_hidden_size (0 = text only), vision_num_layers, vision_num_heads,
-      vision_patch_size, image_token_id.
+    - vision (native patch embedding into the same backbone, model/vision.py): vision_patch_size (p; 0 = a
+      text-only model with no patch embedding), vision_max_pixels (an image is resized so that its height
+      and width are multiples of p and height·width <= vision_max_pixels; `model.vision.image_grid`).
     """
 
     model_type = "odyssey_moe"
@@ -121,12 +121,9 @@ class OdysseyConfig(PretrainedConfig):
     quantile_hist_bins: int = 1024
     routed_scaling_factor: float | int = 1.0
     moe_load_window: int = 100
-    # vision (reserved)
-    vision_hidden_size: int = 0
-    vision_num_layers: int = 0
-    vision_num_heads: int = 0
-    vision_patch_size: int = 14
-    image_token_id: int | None = None
+    # vision (model/vision.py)
+    vision_patch_size: int = 8
+    vision_max_pixels: int = 64 * 64
     # special tokens
     pad_token_id: int | None = None
     bos_token_id: int | None = None
@@ -137,6 +134,15 @@ class OdysseyConfig(PretrainedConfig):
             self.layer_types = default_layer_types(self.num_hidden_layers)
         else:
             self.layer_types = list(self.layer_types)
+        # configs saved before vision carry the reserved ViT-tower fields at their defaults: drop those, and
+        # read their vision_patch_size=14 (the reserved default, never wired) as what it meant: text only
+        if "vision_hidden_size" in kwargs and self.vision_patch_size == 14:
+            self.vision_patch_size = 0
+        legacy = [n for n, d in LEGACY_VISION_FIELDS.items() if n in kwargs and kwargs.pop(n) != d]
+        if legacy:
+            raise ValueError(f"{', '.join(legacy)}: the reserved ViT-tower fields are gone (vision is a "
+                             "native patch embedding, model/vision.py); use vision_patch_size / "
+                             "vision_max_pixels")
         super().__post_init__(**kwargs)
 
     # ---- validation (run by @strict after __init__ and before save_pretrained) -------------------
@@ -170,13 +176,16 @@ class OdysseyConfig(PretrainedConfig):
         if not 0 <= self.first_k_dense <= self.num_hidden_layers:
             raise ValueError(f"first_k_dense must be in [0, num_hidden_layers={self.num_hidden_layers}], "
                              f"got {self.first_k_dense}")
-        unwired = [f"{n}={getattr(self, n)!r}" for n, d in UNWIRED_FIELDS.items() if getattr(self, n) != d]
-        if unwired:
-            defaults = ", ".join(f"{n}={d!r}" for n, d in UNWIRED_FIELDS.items())
-            raise ValueError(
-                f"{', '.join(unwired)}: the vision encoder is not wired into the text model yet, so its "
-                f"fields must keep their defaults ({defaults}); remove them"
-            )
+        if self.vision_patch_size < 0:
+            raise ValueError(f"vision_patch_size must be >= 0 (0 = text only), got {self.vision_patch_size}")
+        if self.vision_patch_size > 0:
+            p = self.vision_patch_size
+            if self.vision_max_pixels < p * p:
+                raise ValueError(f"vision_max_pixels={self.vision_max_pixels} is smaller than one {p}x{p} "
+                                 f"patch; set it to at least {p * p}")
+            if self.hidden_size % 4:
+                raise ValueError(f"hidden_size={self.hidden_size} must be a multiple of 4 for the 2-D patch "
+                                 "position code; or set vision_patch_size=0 (text only)")
         if self.balancing not in BALANCING:
             raise ValueError(f"balancing must be one of {BALANCING}, got {self.balancing!r}")
         if self.n_routed_experts < 0:
@@ -227,12 +236,13 @@ class OdysseyConfig(PretrainedConfig):
         return cls(**fields)
 
 
-#: fields reserved for the vision encoder, which the text model does not read yet: only the default is valid
-UNWIRED_FIELDS: dict[str, Any] = {
+#: fields of the former reserved ViT-tower design; configs saved before vision (all at their defaults) still
+#: load, as the text-only models they were (vision_patch_size 0): the defaults are dropped, any other value
+#: is an error (`OdysseyConfig.__post_init__`)
+LEGACY_VISION_FIELDS: dict[str, Any] = {
     "vision_hidden_size": 0,
     "vision_num_layers": 0,
     "vision_num_heads": 0,
-    "vision_patch_size": 14,
     "image_token_id": None,
 }
 
@@ -245,6 +255,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1,
         moe_latent_dim=64, moe_intermediate_size=64, shared_expert_intermediate_size=128,
         max_position_embeddings=65536,
+        vision_patch_size=8, vision_max_pixels=64 * 64,
     ),
     "small": dict(
         vocab_size=32768, hidden_size=512, num_hidden_layers=12,
@@ -254,6 +265,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_routed_experts=64, num_experts_per_tok=4, n_shared_experts=1,
         moe_latent_dim=256, moe_intermediate_size=256, shared_expert_intermediate_size=512,
         max_position_embeddings=262144,
+        vision_patch_size=16, vision_max_pixels=256 * 256,
     ),
     "k3": dict(
         vocab_size=163840, hidden_size=7168, num_hidden_layers=93,
@@ -264,5 +276,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_routed_experts=896, num_experts_per_tok=16, n_shared_experts=2,
         moe_latent_dim=3584, moe_intermediate_size=3072, shared_expert_intermediate_size=6912,
         max_position_embeddings=1_048_576,
+        vision_patch_size=16, vision_max_pixels=1024 * 1024,
     ),
 }

@@ -239,10 +239,13 @@ def context_parallel_forward(
     replay_experts: torch.Tensor | None,
     group,
     return_routed: bool = False,
+    images=None,
 ) -> tuple[torch.Tensor, Window, torch.Tensor | None]:
     """`OdysseyModel` (model = OdysseyForCausalLM.model) on this rank's shard of the packed micro-batch
     input_ids [L] (cu_seqlens int [N+1], replay_experts [L, n_moe, k] | None: the whole batch, the same on
-    every rank of `group`). Collective: every rank of `group` calls it with the same batch.
+    every rank of `group`). Collective: every rank of `group` calls it with the same batch. images: the
+    batch's `model.vision.ImagePatches` (token_index into input_ids) or None; each rank embeds the patches of
+    its shard.
 
     Returns (hidden states of the shard [c, D], the shard (Window: tokens [start, end) of the batch),
     routed experts of the shard [c, n_moe, k] | None)."""
@@ -258,7 +261,8 @@ def context_parallel_forward(
     ids = input_ids[me.start:me.end]
     cu = torch.tensor([0, *torch.tensor(me.lens).cumsum(0).tolist()], dtype=torch.int32, device=ids.device)
     ex = Exchange(group)
-    stream = AttnResStream([model.embed_tokens(ids)])
+    mine = images.window(me.start, me.end) if images is not None else None
+    stream = AttnResStream([model.embed(ids, mine)])
     routed, j = [], 0
     for layer in model.layers:
         rep = None

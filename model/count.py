@@ -5,9 +5,10 @@ sums ``numel`` per component. Active parameters = everything a token touches: al
 routed experts it does not select, i.e. routed experts count k/n of their size (k = num_experts_per_tok,
 n = n_routed_experts). The embedding and LM head count as active (the usual convention).
 
-Components: embedding, kda, mla, attn_res (pseudo-queries + their norm scales), norms (pre-sublayer and
-final RMSNorms), dense_ffn, shared_experts, routed_experts, router, moe_latent (W_down, W_up and the
-latent RMSNorm of LatentMoE), head. Buffers (e.g. the balancing bias) are not parameters.
+Components: embedding, vision (the patch embedding, model/vision.py), kda, mla, attn_res (pseudo-queries +
+their norm scales), norms (pre-sublayer and final RMSNorms), dense_ffn, shared_experts, routed_experts,
+router, moe_latent (W_down, W_up and the latent RMSNorm of LatentMoE), head.
+Buffers (e.g. the balancing bias) are not parameters.
 
 CLI: ``odyssey model params --preset k3 [--json]`` -> `cli_main(["params", "--preset", "k3"])`.
 """
@@ -22,8 +23,8 @@ import torch
 
 from model.config import PRESETS, OdysseyConfig
 
-COMPONENTS = ("embedding", "kda", "mla", "attn_res", "norms", "dense_ffn", "shared_experts", "routed_experts",
-              "router", "moe_latent", "head")
+COMPONENTS = ("embedding", "vision", "kda", "mla", "attn_res", "norms", "dense_ffn", "shared_experts",
+              "routed_experts", "router", "moe_latent", "head")
 ROUTED_PARAM_NAMES = ("w_gate_up", "w_down_experts")  # LatentMoE's stacked expert weights [n, ...]
 
 
@@ -52,6 +53,8 @@ def classify(name: str, config: OdysseyConfig) -> str:
         return "head"
     if name.startswith("model.embed_tokens."):
         return "embedding"
+    if name.startswith("model.vision."):
+        return "vision"  # PatchEmbed: patch projection + 2-D position gain (active: image tokens use it)
     if name.startswith("model.final_read."):
         return "attn_res"
     if name.startswith("model.norm."):

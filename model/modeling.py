@@ -13,6 +13,10 @@ Inputs are packed without padding: ``input_ids`` [T] with ``cu_seqlens`` int32 [
 attends only within a sequence; AttnRes and FFNs are per token. Incremental decoding carries an
 `OdysseyCache` (KDA recurrent + conv state, MLA latent per sequence); row n of the cache is sequence n.
 
+Images (model/vision.py): ``images`` is an `ImagePatches`, one patch per `<|image_pad|>` token it replaces
+in the packed input; the patch embedding is written over those positions of x_0 and everything after is the
+text path. Image tokens are never LM targets (the labels loss ignores them).
+
 Routing replay: ``replay_experts`` [T, n_moe_layers, k] forces each MoE layer's experts (the axis order is
 `moe_layer_indices`); ``return_routed_experts=True`` returns the experts used, same layout (int64).
 
@@ -56,6 +60,7 @@ from model.moe import LatentMoE, Router, aggregate_load_metrics
 from model.norm import RMSNorm
 from model.padding import PaddedLayout, boundaries_from_position_ids
 from model.short_conv import seq_lens_from_cu
+from model.vision import IMAGE_PAD_ID, ImagePatches, PatchEmbed, is_image_token
 
 IGNORE_INDEX = -100
 
@@ -217,6 +222,13 @@ class OdysseyPreTrainedModel(PreTrainedModel):
         elif isinstance(module, LatentMoE):
             init.normal_(module.w_gate_up, mean=0.0, std=std)
             init.normal_(module.w_down_experts, mean=0.0, std=std)
+        elif isinstance(module, PatchEmbed):
+            # drawn without advancing the global RNG, so every other parameter of a seeded model gets the
+            # values it had before vision existed
+            with torch.random.fork_rng(devices=[]):
+                init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.bias)
+            init.constant_(module.pos_gain, std)  # the 2-D code starts at the token embeddings' scale
 
 
 class OdysseyModel(OdysseyPreTrainedModel):
@@ -232,6 +244,10 @@ class OdysseyModel(OdysseyPreTrainedModel):
         self.final_read = AttnResRead(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.moe_layer_indices = [l for l, layer in enumerate(self.layers) if layer.is_moe]
+        self.vision = None
+        if config.vision_patch_size:
+            with torch.random.fork_rng(devices=[]):  # its construction draws leave the global RNG untouched
+                self.vision = PatchEmbed(config.vision_patch_size, config.hidden_size)
         self.gradient_checkpointing = False  # set by gradient_checkpointing_enable()
         self.post_init()
 
@@ -248,6 +264,7 @@ class OdysseyModel(OdysseyPreTrainedModel):
         cache: OdysseyCache | None = None,
         replay_experts: torch.Tensor | None = None,
         return_routed_experts: bool = False,
+        images: ImagePatches | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         past_key_values: OdysseyHFCache | None = None,
@@ -267,6 +284,8 @@ class OdysseyModel(OdysseyPreTrainedModel):
         [B, T, D], past_key_values, aux_loss); see `forward_padded`.
         """
         if cu_seqlens is None:
+            if images is not None:
+                raise ValueError("images go with the packed call (cu_seqlens), not the padded one")
             if cache is not None:
                 raise ValueError("cache (OdysseyCache) belongs to the packed call with cu_seqlens; a padded "
                                  "call takes past_key_values (OdysseyHFCache)")
@@ -275,7 +294,8 @@ class OdysseyModel(OdysseyPreTrainedModel):
                                       bool(use_cache), replay_experts, return_routed_experts)
             return OdysseyModelOutput(last_hidden_state=run.layout.unpack(run.hidden),
                                       past_key_values=run.past_key_values, aux_loss=run.aux_loss)
-        return self._forward_packed(input_ids, cu_seqlens, cache, replay_experts, return_routed_experts)
+        return self._forward_packed(input_ids, cu_seqlens, cache, replay_experts, return_routed_experts,
+                                    images)
 
     def forward_padded(
         self,
@@ -367,11 +387,13 @@ class OdysseyModel(OdysseyPreTrainedModel):
         cache: OdysseyCache | None = None,
         replay_experts: torch.Tensor | None = None,
         return_routed_experts: bool = False,
+        images: ImagePatches | None = None,
     ) -> tuple[torch.Tensor, list[LayerCache] | None, torch.Tensor | None, torch.Tensor | None]:
         """The packed forward (see `forward`)."""
-        if cache is not None and self._decode_eligible(input_ids, cu_seqlens, cache):
+        has_images = images is not None and images.n > 0
+        if cache is not None and not has_images and self._decode_eligible(input_ids, cu_seqlens, cache):
             return self.decode_step(input_ids, cu_seqlens, cache, replay_experts, return_routed_experts)
-        stream = AttnResStream([self.embed_tokens(input_ids)])
+        stream = AttnResStream([self.embed(input_ids, images)])
         keep = cache is not None
         new_layers: list[LayerCache] | None = [] if keep else None
         checkpointed = self.gradient_checkpointing and not keep and torch.is_grad_enabled()
@@ -396,6 +418,14 @@ class OdysseyModel(OdysseyPreTrainedModel):
         h = self.final_read.read(stream, self.norm)
         routed_t = torch.stack(routed, dim=1) if routed else None
         return h, new_layers, routed_t, aux
+
+    def embed(self, input_ids: torch.Tensor, images: ImagePatches | None = None) -> torch.Tensor:
+        """x_0 [T, D]: token embeddings, with each image patch's embedding written over its <|image_pad|>."""
+        x = self.embed_tokens(input_ids)
+        if images is None or images.n == 0:
+            return x
+        e = self.vision(images.patches.to(x.device), images.grid_pos.to(x.device)).to(x.dtype)
+        return x.index_copy(0, images.token_index.to(x.device), e)
 
     def _checkpointed_layer(self, layer: OdysseyDecoderLayer, stream: AttnResStream, cu_seqlens: torch.Tensor,
                             replay: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -485,14 +515,16 @@ def _packed_loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.T
                  aux: torch.Tensor | None, num_items_in_batch: int | torch.Tensor | None = None
                  ) -> torch.Tensor:
     """Mean next-token NLL of packed logits [T, V] against labels [T] shifted inside each sequence of
-    cu_seqlens (position t predicts labels[t+1] of its own sequence), -100 masked; + aux. With
-    num_items_in_batch: the summed NLL divided by it (HF trainers' gradient-accumulation normalisation)."""
+    cu_seqlens (position t predicts labels[t+1] of its own sequence), -100 and image tokens masked, + aux.
+    With num_items_in_batch: the summed NLL divided by it (HF trainers' gradient-accumulation
+    normalisation)."""
     T = labels.shape[0]
     shifted = torch.full_like(labels, IGNORE_INDEX)
     if T > 1:
         shifted[:-1] = labels[1:]
     ends = cu_seqlens[1:].long() - 1
     shifted[ends[ends >= 0]] = IGNORE_INDEX  # never predict across a sequence boundary
+    shifted[is_image_token(shifted)] = IGNORE_INDEX  # image tokens carry no LM loss
     if num_items_in_batch is None:
         loss = F.cross_entropy(logits.float(), shifted, ignore_index=IGNORE_INDEX)
     else:
@@ -615,6 +647,36 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel, GenerationMixin):
             raise ValueError(f"replay_experts must be [T, n_moe_layers, k] = [{T}, {n_moe}, {k}] (for [B, T] "
                              f"input: [B, T, {n_moe}, {k}]), got {tuple(replay.shape)}")
 
+    def _check_images(self, images: ImagePatches | None, ids: torch.Tensor) -> None:
+        """Images must match the model and point at <|image_pad|> tokens of the packed input ids [T]."""
+        if images is None:
+            return
+        if not isinstance(images, ImagePatches):
+            raise ValueError(f"images must be a model.vision.ImagePatches (build it with "
+                             f"ImagePatches.from_images), got {type(images).__name__}")
+        p = self.config.vision_patch_size
+        if p == 0:
+            raise ValueError("images given but this model is text-only (vision_patch_size=0); use a preset "
+                             "with vision settings or set vision_patch_size")
+        P = images.n
+        if images.patches.shape != (P, 3 * p * p) or images.grid_pos.shape != (P, 2):
+            raise ValueError(f"images.patches must be [P, 3·p²] = [{P}, {3 * p * p}] and grid_pos [{P}, 2] "
+                             f"for patch size {p}, got {tuple(images.patches.shape)} and "
+                             f"{tuple(images.grid_pos.shape)}")
+        if P == 0:
+            return
+        idx = images.token_index
+        increasing = P == 1 or bool((idx.diff() > 0).all())
+        if idx.dim() != 1 or int(idx.min()) < 0 or int(idx.max()) >= ids.shape[0] or not increasing:
+            raise ValueError(f"images.token_index must be strictly increasing positions in "
+                             f"[0, {ids.shape[0]}) of the packed input")
+        bad = ids[idx.to(ids.device)] != IMAGE_PAD_ID
+        if bool(bad.any()):
+            t = int(idx[bad.cpu()][0])
+            raise ValueError(f"image patch at token {t} sits on id {int(ids[t])}, not <|image_pad|> "
+                             f"({IMAGE_PAD_ID}); build input ids with model.vision.image_token_ids and "
+                             "patches with ImagePatches.from_images at the block's start position")
+
     # ---- forward --------------------------------------------------------------------------------
     def forward(
         self,
@@ -625,6 +687,7 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel, GenerationMixin):
         return_routed_experts: bool = False,
         labels: torch.Tensor | None = None,
         use_cache: bool | None = False,
+        images: ImagePatches | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         past_key_values: OdysseyHFCache | None = None,
@@ -636,17 +699,23 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel, GenerationMixin):
         cache: the N sequences' OdysseyCache (new tokens are appended to row n); use_cache=True with no
         cache starts from an empty one. The returned cache is new; the given one is left untouched.
         labels: same shape as input_ids; position t is trained to predict labels[t+1] of the same
-        sequence (HF convention, shifted inside each packed sequence); IGNORE_INDEX (-100) masks a target.
+        sequence (HF convention, shifted inside each packed sequence); IGNORE_INDEX (-100) masks a target,
+        and image tokens (<|image_start|> .. <|image_end|>) are never targets.
+        images: the patches of the images in the input (`ImagePatches`; token_index into the packed [T], or
+        the flattened B·T positions for [B, T] input).
 
         Padded (Hugging Face): any of attention_mask, position_ids, past_key_values or logits_to_keep
         selects `forward_padded`: input_ids [B, T] with padding anywhere, logits [B, T, V] (zeros at padding
         positions), past_key_values an OdysseyHFCache advanced in place. Exactly the packed outputs of the
-        rows' real tokens (model/padding.py).
+        rows' real tokens (model/padding.py). Images go with the packed form only.
         """
         padded = [name for name, v in (("attention_mask", attention_mask), ("position_ids", position_ids),
                                        ("past_key_values", past_key_values)) if v is not None]
         padded += [] if _is_zero(logits_to_keep) else ["logits_to_keep"]
         if padded or kwargs:
+            if images is not None:
+                raise ValueError("images go with the packed form (input_ids [T] + cu_seqlens, or [B, T] rows "
+                                 "without padding), not with attention_mask / past_key_values")
             if cu_seqlens is not None or cache is not None:
                 raise ValueError(f"pass either the packed form (cu_seqlens, cache) or the padded form "
                                  f"(attention_mask, position_ids, past_key_values, ...), not both; got "
@@ -659,12 +728,13 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel, GenerationMixin):
                                                         "replay_experts")
         T = ids.shape[0]
         self._check_replay(replay, T)
+        self._check_images(images, ids)
         if cache is None and use_cache:
             cache = OdysseyCache.empty(self.config, len(lens), device=ids.device, dtype=self.dtype)
         if cache is not None and cache.n != len(lens):
             raise ValueError(f"cache has {cache.n} rows but the input holds {len(lens)} sequences; row n of "
                              "the cache is sequence n of cu_seqlens (use cache.select / OdysseyCache.concat)")
-        h, new_layers, routed, aux = self.model(ids, cu, cache, replay, return_routed_experts)
+        h, new_layers, routed, aux = self.model(ids, cu, cache, replay, return_routed_experts, images)
         logits = self.lm_head(h)
         new_cache = cache.advanced(new_layers, lens) if cache is not None else None
 
@@ -757,13 +827,14 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel, GenerationMixin):
         cu_seqlens: torch.Tensor | None = None,
         replay_experts: torch.Tensor | None = None,
         chunk_size: int = 1024,
+        images: ImagePatches | None = None,
     ) -> torch.Tensor:
         """log p(targets[t] | tokens <= t of t's sequence), fp32, shaped like input_ids.
 
         targets: same shape as input_ids, the token to score at each position (usually the next token).
         The LM head and log-softmax run over chunks of `chunk_size` positions, under activation
         checkpointing when gradients are on, so at most one [chunk_size, V] logits block exists at a time
-        (forward and backward).
+        (forward and backward). images: as in `forward`.
         """
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -773,11 +844,12 @@ class OdysseyForCausalLM(OdysseyPreTrainedModel, GenerationMixin):
         ids, cu, _, replay, batch_shape = self._pack(input_ids, cu_seqlens, replay_experts, "replay_experts")
         T = ids.shape[0]
         self._check_replay(replay, T)
+        self._check_images(images, ids)
         tg = targets.reshape(T).to(device=ids.device, dtype=torch.long)
         if T and (int(tg.min()) < 0 or int(tg.max()) >= self.config.vocab_size):
             raise ValueError(f"targets must be token ids in [0, {self.config.vocab_size}); mask positions "
                              "you do not score after the call instead of passing -100")
-        h, _, _, _ = self.model(ids, cu, None, replay, False)
+        h, _, _, _ = self.model(ids, cu, None, replay, False, images)
         w = self.lm_head.weight
         out = []
         for s in range(0, T, chunk_size):

@@ -154,16 +154,18 @@ def _checkpointed_layer_step(layer, stream: AttnResStream, cu: torch.Tensor, len
 
 def window_forward(model, ids: torch.Tensor, window: Window, replay: torch.Tensor | None,
                    carry: list[tuple[torch.Tensor, ...]] | None, checkpoint_layers: bool = False,
+                   images=None,
                    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]], torch.Tensor | None]:
     """The backbone (`OdysseyModel`) on one window: ids [c], replay [c, n_moe, k] | None, carry: per layer
     the state the previous window handed on (None when window.carry_in is False; MLA: all earlier latents
     of the continuing sequence). Returns (hidden [c, D], per layer the hand-on state of the window's last
-    piece (KDA (S, conv), MLA (latents,)), topk [c, n_moe, k] | None)."""
+    piece (KDA (S, conv), MLA (latents,)), topk [c, n_moe, k] | None). images: the window's
+    `model.vision.ImagePatches` (token_index relative to the window) or None."""
     cu_list = [0]
     for n in window.lens:
         cu_list.append(cu_list[-1] + n)
     cu = torch.tensor(cu_list, dtype=torch.int32, device=ids.device)
-    stream = AttnResStream([model.embed_tokens(ids)])
+    stream = AttnResStream([model.embed(ids, images)])
     grad = torch.is_grad_enabled()
     hand_on, routed, j = [], [], 0
     for l, layer in enumerate(model.layers):
@@ -190,11 +192,13 @@ def chunked_forward(
     chunk_tokens: int,
     head: Callable[[torch.Tensor, Window], tuple[torch.Tensor, ...]],
     checkpoint_layers: bool | None = None,
+    images=None,
 ) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor | None, list[Window]]:
     """`OdysseyModel` (model = OdysseyForCausalLM.model) over packed input_ids [L] (cu_seqlens int [N+1],
     replay_experts [L, n_moe, k] | None) in windows of chunk_tokens tokens, with `head(h_w, window)` applied
     to each window's hidden states [c, D] inside it (module docstring). checkpoint_layers: per-layer
-    checkpoints inside each window (default: model.gradient_checkpointing).
+    checkpoints inside each window (default: model.gradient_checkpointing). images:
+    `model.vision.ImagePatches` over input_ids positions (each window gets the patches of its tokens) or None.
 
     Returns (head's outputs per window, routed experts [L, n_moe, k] int64 | None, the windows)."""
     cfg = model.config
@@ -226,7 +230,8 @@ def chunked_forward(
                 for n in sizes:
                     layer_carry.append(tuple(flat[k:k + n]))
                     k += n
-            h, hand_on, topk = window_forward(model, ids_w, w, rep_w, layer_carry, checkpoint_layers)
+            img_w = images.window(w.start, w.end) if images is not None else None
+            h, hand_on, topk = window_forward(model, ids_w, w, rep_w, layer_carry, checkpoint_layers, img_w)
             res = head(h, w)
             return len(res), *res, topk, *[t for ho in hand_on for t in ho]
 

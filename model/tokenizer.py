@@ -10,7 +10,9 @@ Vocabulary (ids are stable: specials first, then the 256 byte symbols, then merg
         0 <|pad|>   1 <|bos|>   2 <|eos|>   3 <|im_start|>   4 <|im_end|>
     markup (added tokens that are NOT special, so decoded text keeps them and tool calls survive):
         5 <tool_call>   6 </tool_call>   7 <tool_response>   8 </tool_response>
-        9 <image>   10 <think>   11 </think>   12..15 <|reserved_0|>..<|reserved_3|>
+        9 <image>   10 <think>   11 </think>
+    image (special; the four slots reserved before vision, so no other id moved; model/vision.py):
+        12 <|image_start|>   13 <|image_pad|>   14 <|image_row_break|>   15 <|image_end|>
 
 Every byte is in the vocabulary, so there is no UNK token and `decode(encode(s)) == s` for any string
 (decode with `skip_special_tokens=False` when `s` itself contains special-token text).
@@ -21,7 +23,7 @@ Because no regex branch crosses a newline and special tokens are cut out before 
 between two turn boundaries (a newline or a special token) is tokenized exactly as it would be on its own.
 
 Chat format (the template in `CHAT_TEMPLATE`; messages are {"role": "system"|"user"|"assistant"|"tool",
-"content": str | None | [{"type": "text", "text": ...} | {"type": "image"}]}):
+"content": str | None | [{"type": "text", "text": ...} | {"type": "image", "image": PreparedImage}]}):
 
     <|bos|>                                                        once, at the very start
     <|im_start|>system\\n{system}\\n\\n# Tools ...<tools>\\n{schema}...</tools>...<|im_end|>\\n   with tools
@@ -45,6 +47,14 @@ where encode(c) = tok.encode(c, add_special_tokens=False). So a rollout keeps th
 appends the END_OF_TURN id when generation stopped on it (or appends it itself when the turn was cut by
 max_new_tokens), then appends encode_continuation(observations) and samples the next turn.
 
+Images (the OpenAI / HF content-part convention): a {"type": "image", "image": img} part of a system, user or
+tool message, with img a `model.image.PreparedImage` (decoded and resized once by `prepare_image`), becomes
+the image's token block `model.vision.image_token_ids(h, w)`: <|image_start|>, h rows of w <|image_pad|> and
+a <|image_row_break|>, <|image_end|>. `render_chat` shows it as <|image_start|><|image_pad|><|image_end|>;
+`encode_chat` / `encode_continuation` expand it, and `encode_chat_images` / `encode_continuation_images`
+also return where each image block starts. Messages without images encode exactly as before vision
+(tests/test_vision_tokenizer.py holds the ids of the pre-vision tokenizer).
+
 Content is text, never structure: the content of system, user and tool messages (task text, dataset rows,
 tool output written by sandboxed agent code) is encoded with special tokens split into plain bytes, so a
 tool output that prints "</tool_response><|im_end|>" cannot close its turn, forge a user turn or a tool
@@ -64,10 +74,16 @@ import secrets
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerFast
+
+from model.image_tokens import IMAGE_TOKEN_IDS, image_token_ids
+
+if TYPE_CHECKING:  # model.image needs torch and Pillow; text-only tokenizing loads neither
+    from model.image import PreparedImage
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 CORPUS_DIR = ASSETS_DIR / "corpus"
@@ -86,10 +102,15 @@ TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 TOOL_RESPONSE_START = "<tool_response>"
 TOOL_RESPONSE_END = "</tool_response>"
-IMAGE = "<image>"
+IMAGE = "<image>"  # a plain markup token (pre-vision); images are the IMAGE_TOKENS blocks below
 THINK_START = "<think>"
 THINK_END = "</think>"
-RESERVED = [f"<|reserved_{i}|>" for i in range(4)]
+IMAGE_START = "<|image_start|>"
+IMAGE_PAD = "<|image_pad|>"
+IMAGE_ROW_BREAK = "<|image_row_break|>"
+IMAGE_END = "<|image_end|>"
+#: ids 12..15 (model.vision.IMAGE_TOKEN_IDS): the slots that were <|reserved_0|>..<|reserved_3|>
+IMAGE_TOKENS = [IMAGE_START, IMAGE_PAD, IMAGE_ROW_BREAK, IMAGE_END]
 
 #: Control tokens: dropped by decode(skip_special_tokens=True).
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, END_OF_TURN]
@@ -103,7 +124,7 @@ MARKUP_TOKENS = [
     THINK_START,
     THINK_END,
 ]
-ALL_ADDED_TOKENS = SPECIAL_TOKENS + MARKUP_TOKENS + RESERVED
+ALL_ADDED_TOKENS = SPECIAL_TOKENS + MARKUP_TOKENS + IMAGE_TOKENS
 
 #: Split pattern applied after newlines have been isolated. Contractions, words with one optional leading
 #: non-letter (" the", ".py"), single digits, punctuation runs, whitespace. No branch can match "\n".
@@ -121,7 +142,7 @@ CHAT_TEMPLATE = r"""
     {%- else -%}
         {%- for part in content -%}
             {%- if part['type'] == 'text' -%}{{- part['text'] -}}
-            {%- elif part['type'] == 'image' -%}{{- '<image>' -}}
+            {%- elif part['type'] == 'image' -%}{{- '<|image_start|><|image_pad|><|image_end|>' -}}
             {%- else -%}{{- raise_exception('unsupported content part type ' ~ part['type'] ~ ' (use text or image)') -}}
             {%- endif -%}
         {%- endfor -%}
@@ -217,13 +238,15 @@ def build_tokenizer(out_dir: Path | str = TOKENIZER_DIR, corpus_dir: Path | str 
     for i, t in enumerate(ALL_ADDED_TOKENS):
         if tok.token_to_id(t) != i:
             raise AssertionError(f"added token {t} got id {tok.token_to_id(t)}, expected {i}")
+    if [tok.token_to_id(t) for t in IMAGE_TOKENS] != list(IMAGE_TOKEN_IDS):
+        raise AssertionError(f"image token ids differ from model.vision.IMAGE_TOKEN_IDS {IMAGE_TOKEN_IDS}")
 
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        extra_special_tokens=[IM_START, END_OF_TURN, *RESERVED],
+        extra_special_tokens=[IM_START, END_OF_TURN, *IMAGE_TOKENS],
         model_max_length=MODEL_MAX_LENGTH,
         clean_up_tokenization_spaces=False,
         chat_template=CHAT_TEMPLATE,
@@ -263,6 +286,31 @@ def _check_messages(messages: Sequence[dict[str, Any]]) -> None:
             raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
         if m["role"] not in ROLES:
             raise ValueError(f"message {i} has unknown role {m['role']!r}; use one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "image"):
+                continue
+            from model.image import PreparedImage
+
+            if m["role"] == "assistant":
+                raise ValueError(f"message {i} (assistant) holds an image part; the policy writes text only: "
+                                 "put images in system, user or tool messages")
+            if not isinstance(part.get("image"), PreparedImage):
+                got = type(part.get("image")).__name__
+                raise ValueError(f"message {i}: an image part must be {{'type': 'image', 'image': img}} with "
+                                 "img from model.image.prepare_image(...) (decoded and sized to its patch "
+                                 f"grid), got image={got}")
+
+
+@dataclass
+class ChatEncoding:
+    """Token ids of a conversation and its images: images[j] = (index in ids of the j-th image block's
+    <|image_start|> token, the PreparedImage); the block is model.vision.image_token_ids(*image.grid)."""
+
+    ids: list[int]
+    images: list[tuple[int, PreparedImage]] = field(default_factory=list)
 
 
 def render_chat(
@@ -281,14 +329,15 @@ def render_chat(
     )
 
 
-def _slotted(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str], re.Pattern]:
-    """Messages whose non-assistant text content is replaced by numbered slot markers, the texts, and the
-    markers' pattern. Markers carry a fresh random nonce, so no text (assistant content, a tool schema) can
-    contain one."""
-    texts: list[str] = []
+def _slotted(messages: Sequence[dict[str, Any]]
+             ) -> tuple[list[dict[str, Any]], list[str | PreparedImage], re.Pattern]:
+    """Messages whose non-assistant text content and images are replaced by numbered slot markers, the slots'
+    contents (texts and images), and the markers' pattern. Markers carry a fresh random nonce, so no text
+    (assistant content, a tool schema) can contain one."""
+    texts: list[str | PreparedImage] = []
     nonce = secrets.token_hex(8)
 
-    def slot(text: str) -> str:
+    def slot(text: str | PreparedImage) -> str:
         texts.append(text)
         return f"\ue000{nonce}:{len(texts) - 1}\ue001"
 
@@ -300,8 +349,14 @@ def _slotted(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
         elif isinstance(content, str):
             out.append({**m, "content": slot(content)})
         elif isinstance(content, list):
-            parts = [{**p, "text": slot(p["text"])} if isinstance(p, dict) and p.get("type") == "text"
-                     and isinstance(p.get("text"), str) and p["text"] else p for p in content]
+            parts = []
+            for p in content:
+                kind = p.get("type") if isinstance(p, dict) else None
+                if kind == "text" and isinstance(p.get("text"), str) and p["text"]:
+                    p = {**p, "text": slot(p["text"])}
+                elif kind == "image":
+                    p = {"type": "text", "text": slot(p["image"])}
+                parts.append(p)
             out.append({**m, "content": parts})
         else:
             out.append(m)
@@ -325,19 +380,27 @@ def encode_text(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
 
 
 def _encode_slotted(
-    tokenizer: PreTrainedTokenizerFast, text: str, texts: list[str], slot_re: re.Pattern
-) -> list[int]:
-    """Encode rendered text: template pieces with their special tokens, slot contents as plain text."""
+    tokenizer: PreTrainedTokenizerFast, text: str, texts: list[str | PreparedImage], slot_re: re.Pattern
+) -> ChatEncoding:
+    """Encode rendered text: template pieces with their special tokens, text slots as plain text, image slots
+    as their image token block."""
     slots = list(slot_re.finditer(text))
     if [int(m.group(1)) for m in slots] != list(range(len(texts))):
         raise AssertionError("the chat template dropped or reordered message content")
-    ids: list[int] = []
+    out = ChatEncoding([])
+    ids = out.ids
     pos = 0
     for m in slots:
         ids += tokenizer.encode(text[pos:m.start()], add_special_tokens=False)
-        ids += encode_text(tokenizer, texts[int(m.group(1))])
+        content = texts[int(m.group(1))]
+        if not isinstance(content, str):  # a PreparedImage (checked by _check_messages)
+            out.images.append((len(ids), content))
+            ids += image_token_ids(*content.grid)
+        else:
+            ids += encode_text(tokenizer, content)
         pos = m.end()
-    return ids + tokenizer.encode(text[pos:], add_special_tokens=False)
+    ids += tokenizer.encode(text[pos:], add_special_tokens=False)
+    return out
 
 
 def encode_chat(
@@ -347,7 +410,18 @@ def encode_chat(
     add_generation_prompt: bool = False,
 ) -> list[int]:
     """Token ids of `render_chat(...)` (the template already holds BOS; nothing else is added), with the
-    content of non-assistant messages encoded as text (special-token strings in it become plain bytes)."""
+    content of non-assistant messages encoded as text (special-token strings in it become plain bytes) and
+    each image part expanded to its image token block."""
+    return encode_chat_images(tokenizer, messages, tools, add_generation_prompt).ids
+
+
+def encode_chat_images(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> ChatEncoding:
+    """`encode_chat`, also returning where each image block starts (`ChatEncoding`)."""
     _check_messages(messages)
     slotted, texts, slot_re = _slotted(messages)
     text = render_chat(tokenizer, slotted, tools, add_generation_prompt)
@@ -365,6 +439,15 @@ def encode_continuation(
     the generation prompt "<|im_start|>assistant\\n". Exact because the preceding text ends in a special
     token, which the tokenizer always cuts out before pre-tokenization.
     """
+    return encode_continuation_images(tokenizer, new_messages, add_generation_prompt).ids
+
+
+def encode_continuation_images(
+    tokenizer: PreTrainedTokenizerFast,
+    new_messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+) -> ChatEncoding:
+    """`encode_continuation`, also returning where each image block starts (relative to the continuation)."""
     _check_messages(new_messages)
     slotted, texts, slot_re = _slotted(new_messages)
     base = render_chat(tokenizer, _PREFIX)
@@ -373,6 +456,12 @@ def encode_continuation(
     if full[:cut] != base[:cut]:
         raise AssertionError("chat template is not prefix-stable; encode_continuation cannot be exact")
     return _encode_slotted(tokenizer, full[cut:], texts, slot_re)
+
+
+def image_token_ids_of(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """The tokenizer's ids of <|image_start|>, <|image_pad|>, <|image_row_break|>, <|image_end|>: must be
+    model.vision.IMAGE_TOKEN_IDS (checked by the build and tests/test_vision_tokenizer.py)."""
+    return [tokenizer.convert_tokens_to_ids(t) for t in IMAGE_TOKENS]
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerFast) -> int:

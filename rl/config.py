@@ -500,7 +500,7 @@ def _closest(word: str, options: Sequence[str]) -> str | None:
 
 def _model_problems(m: ModelSection) -> list[str]:
     try:
-        from model.config import PRESETS, UNWIRED_FIELDS, OdysseyConfig
+        from model.config import PRESETS, OdysseyConfig
     except ImportError:
         return []
     if m.preset not in PRESETS:
@@ -518,12 +518,6 @@ def _model_problems(m: ModelSection) -> list[str]:
             hint = _closest(k, fields)
             out.append(
                 f"{path}: unknown model field" + (f"; did you mean 'model.overrides.{hint}'?" if hint else "")
-            )
-            continue
-        if k in UNWIRED_FIELDS:
-            out.append(
-                f"{path}: the vision encoder is not wired into the text model yet (model/config.py reserves "
-                "this field), so setting it would do nothing; remove it"
             )
             continue
         from pydantic import TypeAdapter

@@ -4,6 +4,8 @@ The record types (`Trajectory`, `TurnSpan`, `StepInfo`) live in envs/trajectory.
 that envs/, rewards/ and rl/ all import; they are re-exported here, so `from rl.trajectory import
 Trajectory, TurnSpan, TrajectoryStore` keeps working. Schema 3 adds the `token_versions` column (the
 policy version that sampled each generated token); stores of schema 1 read with `token_versions=None`.
+Schema 4 adds the images: `images` (the PNG bytes, content-addressed: the key is recomputed as their
+sha256 on read) and `image_spans` (where each image's tokens sit); older stores read with no images.
 
 `TrajectoryStore(dir)` appends batches of trajectories as Arrow IPC *file* format files, one
 file per `append` call. Each file is written to a hidden temporary name in the same directory,
@@ -17,6 +19,7 @@ as changed data and never able to crash the reader. See docs/trajectory.md.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -31,9 +34,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from envs.trajectory import ROLES, StepInfo, Trajectory, TurnSpan
+from envs.trajectory import ROLES, ImageSpan, StepInfo, Trajectory, TurnSpan
+from model.image_tokens import image_token_ids
 
-SCHEMA_VERSION = "3"  # see _UPGRADES for what each version changed and how older ones are read
+SCHEMA_VERSION = "4"  # see _UPGRADES for what each version changed and how older ones are read
 _VERSION_KEY = b"odyssey.trajectory.schema_version"
 _CRC_KEY = b"odyssey.trajectory.batch_crc32"  # JSON list: the CRC-32 of each record batch, in order
 
@@ -41,6 +45,8 @@ _CRC_KEY = b"odyssey.trajectory.batch_crc32"  # JSON list: the CRC-32 of each re
 
 _JSON = pa.large_string()
 _SPAN_TYPE = pa.struct([("role", pa.string()), ("start", pa.int64()), ("end", pa.int64())])
+_IMAGE_SPAN_TYPE = pa.struct([("sha256", pa.string()), ("start", pa.int64()), ("end", pa.int64()),
+                              ("grid_h", pa.int32()), ("grid_w", pa.int32())])
 
 SCHEMA = pa.schema(
     [
@@ -61,6 +67,8 @@ SCHEMA = pa.schema(
         ("policy_version", pa.int64()),  # copy of metadata["policy_version"] for cheap filtering
         ("metadata", pa.large_string()),  # JSON dict
         ("token_versions", pa.large_list(pa.int32())),  # [T] policy version per token, null if absent (3)
+        ("images", pa.large_list(pa.large_binary())),  # PNG bytes of each distinct image (4)
+        ("image_spans", pa.list_(_IMAGE_SPAN_TYPE)),  # where each image's token block sits (4)
     ],
     metadata={_VERSION_KEY: SCHEMA_VERSION.encode()},
 )
@@ -140,6 +148,9 @@ def trajectories_to_batch(trajs: Sequence[Trajectory]) -> pa.RecordBatch:
         pa.array(pv, type=pa.int64()),
         pa.array([_dumps("metadata", t.metadata) for t in trajs], type=pa.large_string()),
         _large_list([t.token_versions for t in trajs], pa.int32()),
+        pa.array([list(t.images.values()) for t in trajs], type=pa.large_list(pa.large_binary())),
+        pa.array([[(s.sha256, s.start, s.end, s.grid_h, s.grid_w) for s in t.image_spans] for t in trajs],
+                 type=pa.list_(_IMAGE_SPAN_TYPE)),
     ]
     return pa.RecordBatch.from_arrays(cols, schema=SCHEMA)
 
@@ -160,7 +171,7 @@ def _decode_rows(batch: pa.RecordBatch, rows: Sequence[int]) -> Iterator[Traject
     py = {
         k: c[k].to_pylist()
         for k in c
-        if k not in flat and k not in ("step_infos", "metadata")  # JSON columns: decoded per row
+        if k not in flat and k not in ("step_infos", "metadata", "images")  # decoded per row
     }
 
     def arr(k: str, r: int) -> np.ndarray:
@@ -169,7 +180,7 @@ def _decode_rows(batch: pa.RecordBatch, rows: Sequence[int]) -> Iterator[Traject
 
     for r in rows:
         shape = py["routed_experts_shape"][r]
-        yield Trajectory(
+        traj = Trajectory(
             tokens=arr("tokens", r),
             loss_mask=arr("loss_mask", r),
             rollout_logprobs=arr("rollout_logprobs", r),
@@ -185,7 +196,26 @@ def _decode_rows(batch: pa.RecordBatch, rows: Sequence[int]) -> Iterator[Traject
             turn_rewards=py["turn_rewards"][r],
             metadata=json.loads(c["metadata"][r].as_py()),
             token_versions=None if versions_null[r] else arr("token_versions", r),
+            images={hashlib.sha256(b).hexdigest(): b for b in (x.as_py() for x in c["images"][r].values)},
+            image_spans=[ImageSpan(**d) for d in py["image_spans"][r]],
         )
+        check_image_tokens(traj)
+        yield traj
+
+
+def check_image_tokens(traj: Trajectory) -> None:
+    """Raise ValueError unless the tokens of every image span are exactly the image block of its grid
+    (model.image_tokens.image_token_ids): the record checks structure, this checks the layout."""
+    for i, sp in enumerate(traj.image_spans):
+        want = image_token_ids(sp.grid_h, sp.grid_w)
+        got = traj.tokens[sp.start : sp.end]
+        if got.shape[0] != len(want) or not np.array_equal(got, want):
+            raise ValueError(
+                f"Trajectory.image_spans[{i}] covers tokens [{sp.start}, {sp.end}) that are not the image "
+                f"block of a {sp.grid_h}x{sp.grid_w} grid ({len(want)} tokens: model.image_tokens."
+                "image_token_ids); record spans from the encoder's image positions "
+                "(model.tokenizer.encode_chat_images)"
+            )
 
 
 def trajectory_from_batch(batch: pa.RecordBatch, row: int = 0) -> Trajectory:
@@ -218,7 +248,9 @@ def batch_crc32(batch: pa.RecordBatch) -> int:
     for name, col in zip(batch.schema.names, batch.columns):
         crc = zlib.crc32(name.encode(), crc)
         crc = zlib.crc32(np.asarray(col.is_null(), dtype=np.uint8).tobytes(), crc)
-        if pa.types.is_large_list(col.type):
+        if pa.types.is_large_list(col.type) and pa.types.is_large_binary(col.type.value_type):
+            crc = _binary_list_crc32(col, crc)
+        elif pa.types.is_large_list(col.type):
             offsets, values = _flat(col)
             crc = zlib.crc32(np.ascontiguousarray(offsets).tobytes(), crc)
             crc = zlib.crc32(memoryview(np.ascontiguousarray(values)).cast("B"), crc)
@@ -233,11 +265,26 @@ def batch_crc32(batch: pa.RecordBatch) -> int:
     return crc
 
 
+def _binary_list_crc32(col: pa.LargeListArray, crc: int) -> int:
+    """CRC-32 of a large_list<large_binary> column (the images): list offsets, then each row's blobs (their
+    lengths and bytes), relative to where the column's data starts, so equal content gives equal CRCs."""
+    offsets = col.offsets.to_numpy(zero_copy_only=True)
+    crc = zlib.crc32(np.ascontiguousarray(offsets - offsets[0]).tobytes(), crc)
+    blobs = col.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    _, boff_buf, data = blobs.buffers()
+    boff = np.frombuffer(boff_buf, dtype=np.int64, count=len(blobs) + 1, offset=8 * blobs.offset)
+    crc = zlib.crc32(np.ascontiguousarray(boff - boff[0]).tobytes(), crc)
+    if data is not None:
+        crc = zlib.crc32(memoryview(data)[int(boff[0]) : int(boff[-1])], crc)
+    return crc
+
+
 def _same_columns(a: pa.Schema, b: pa.Schema) -> bool:
     return a.equals(b, check_metadata=False)
 
 
-_ADDED_IN = {"token_versions": 3}  # columns newer than version 1, and the version that added them
+# columns newer than version 1, and the version that added them
+_ADDED_IN = {"token_versions": 3, "images": 4, "image_spans": 4}
 
 
 def _schema_of(version: int) -> pa.Schema:
@@ -251,16 +298,25 @@ def _schema_of(version: int) -> pa.Schema:
 # column to SCHEMA, bump SCHEMA_VERSION; every older store stays readable through the chain.
 #   "1" -> "2": the same columns; version 2 files also carry a CRC-32 per record batch (_CRC_KEY).
 #   "2" -> "3": a `token_versions` column (the policy version of each generated token), null before.
+#   "3" -> "4": `images` and `image_spans` columns (the images a trajectory shows), empty before.
 
 
 def _add_null_token_versions(batch: pa.RecordBatch) -> pa.RecordBatch:
     column = pa.nulls(batch.num_rows, type=pa.large_list(pa.int32()))
-    return pa.RecordBatch.from_arrays([*batch.columns, column], schema=SCHEMA)
+    return pa.RecordBatch.from_arrays([*batch.columns, column], schema=_schema_of(3))
+
+
+def _add_no_images(batch: pa.RecordBatch) -> pa.RecordBatch:
+    n = batch.num_rows
+    images = pa.array([[] for _ in range(n)], type=pa.large_list(pa.large_binary()))
+    spans = pa.array([[] for _ in range(n)], type=pa.list_(_IMAGE_SPAN_TYPE))
+    return pa.RecordBatch.from_arrays([*batch.columns, images, spans], schema=_schema_of(4))
 
 
 _UPGRADES: dict[str, Callable[[pa.RecordBatch], pa.RecordBatch]] = {
     "1": lambda batch: batch,
     "2": _add_null_token_versions,
+    "3": _add_no_images,
 }
 _CHECKSUMMED_FROM = 2  # files of this version and later must carry a CRC per record batch
 
@@ -508,12 +564,14 @@ __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
     "CorruptStoreFile",
+    "ImageSpan",
     "NewerStoreVersion",
     "StepInfo",
     "Trajectory",
     "TrajectoryStore",
     "TurnSpan",
     "batch_crc32",
+    "check_image_tokens",
     "trajectories_from_batch",
     "trajectories_to_batch",
     "trajectory_from_batch",

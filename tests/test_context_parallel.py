@@ -125,3 +125,63 @@ def test_context_parallel_learner_needs_a_group():
 
     with pytest.raises(ValueError, match="learner.num_ranks is 2 but this process runs 1 rank"):
         Learner(small_config(num_ranks=2, context_parallel=2))
+
+
+# ---------------------------------------------------------------------------------- images (issue 31)
+def _image_inputs(lens: list[int], world: int, seed: int):
+    """_inputs plus image blocks (model/vision.py layout, tiny's patch size 8): one straddling every shard
+    boundary, one inside a shard. Returns (ids, cu, targets, replay, weights, ImagePatches)."""
+    from model.vision import ImagePatches, image_token_ids
+
+    ids, cu, targets, replay, weights = _inputs(lens, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    L = int(cu[-1])
+    bounds = shard_bounds(L, world)[1:-1]
+    starts = [b - 7 for b in bounds] + [20]  # a 3x4 block is 17 tokens: each boundary cuts one
+    images = []
+    for s in starts:
+        block = image_token_ids(3, 4)
+        ids[s : s + len(block)] = torch.tensor(block)
+        images.append(torch.randint(0, 256, (3, 24, 32), generator=g, dtype=torch.uint8))
+    return ids, cu, targets, replay, weights, ImagePatches.from_images(images, starts, 8)
+
+
+def _rank_images(rank: int, world: int, init: str, lens: list[int], seed: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        group = dist.new_group(list(range(world)))
+        model = _model()
+        ids, cu, targets, replay, weights, images = _image_inputs(lens, world, seed)
+        h, shard, _ = context_parallel_forward(model.model, ids, cu, replay, group, images=images)
+        lp, ent = head_logprobs(h, targets[shard.start : shard.end], model.lm_head.weight)
+        counts = [s.end - s.start for s in plan_shards(lens, world)]
+        lp_all = torch.cat(gather_shards(lp, counts, group))
+        ent_all = torch.cat(gather_shards(ent, counts, group))
+        ((lp_all.double() * weights).sum() + ent_all.double().sum() * 1e-2).backward()
+        grads = _grads(model)
+        for name in sorted(grads):
+            dist.all_reduce(grads[name], group=group)
+        if rank == 0:
+            torch.save({"lp": lp_all.detach(), "ent": ent_all.detach(), "g": grads}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_context_parallel_with_images_cut_by_shards_equals_one_rank(tmp_path):
+    """Images whose blocks straddle the shard boundary: each rank embeds its shard's patches; log-probs,
+    entropy and every gradient (the patch embedding's included) equal one rank (rel <= 1e-5, fp32)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    world, lens, seed = 2, [700, 1, 45, 300, 2, 513], 77
+    model = _model()
+    ids, cu, targets, replay, weights, images = _image_inputs(lens, world, seed)
+    model.zero_grad(set_to_none=True)
+    h, _, _, _ = model.model(ids, cu, None, replay, False, images)
+    lp, ent = head_logprobs(h, targets, model.lm_head.weight)
+    ((lp.double() * weights).sum() + ent.double().sum() * 1e-2).backward()
+    ref = (lp.detach(), ent.detach(), _grads(model))
+    assert "model.vision.weight" in ref[2]
+    out, init = str(tmp_path / "rank0.pt"), str(tmp_path / "rendezvous")
+    mp.start_processes(_rank_images, args=(world, init, lens, seed, out), nprocs=world, start_method="spawn")
+    got = torch.load(out)
+    _assert_close(ref, (got["lp"], got["ent"], got["g"]))

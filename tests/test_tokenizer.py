@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from model.tokenizer import (
     ALL_ADDED_TOKENS,
     END_OF_TURN,
+    IMAGE_TOKENS,
     MARKUP_TOKENS,
-    RESERVED,
     SPECIAL_TOKENS,
     TOKENIZER_DIR,
     TOOL_CALL_END,
@@ -129,7 +129,7 @@ def test_added_tokens_are_single_ids_in_order(tok):
 def test_markup_survives_skip_special_tokens(tok):
     ids = enc(tok, f"hi {TOOL_CALL_START}{{}}{TOOL_CALL_END}{END_OF_TURN}")
     assert tok.decode(ids, skip_special_tokens=True) == f"hi {TOOL_CALL_START}{{}}{TOOL_CALL_END}"
-    assert set(SPECIAL_TOKENS + RESERVED) == set(tok.all_special_tokens)
+    assert set(SPECIAL_TOKENS + IMAGE_TOKENS) == set(tok.all_special_tokens)
     assert not set(MARKUP_TOKENS) & set(tok.all_special_tokens)
 
 
@@ -153,7 +153,7 @@ def test_chat_template_with_tools_and_tool_responses(tok):
         {"role": "assistant", "content": f"Let me compute it.{call}"},
         {"role": "tool", "content": "42"},
         {"role": "assistant", "content": "6 * 7 = 42."},
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this?"}]},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"}]},
     ]
     text = render_chat(tok, conv, TOOLS, add_generation_prompt=True)
     schema = json.dumps(TOOLS[0], ensure_ascii=False)
@@ -169,7 +169,7 @@ def test_chat_template_with_tools_and_tool_responses(tok):
         f"<|im_start|>assistant\nLet me compute it.{call}<|im_end|>\n"
         "<|im_start|>tool\n<tool_response>42</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n6 * 7 = 42.<|im_end|>\n"
-        "<|im_start|>user\n<image>And this?<|im_end|>\n"
+        "<|im_start|>user\nAnd this?<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
     assert text == expected

@@ -231,11 +231,13 @@ def test_silent_change_fails_the_checksum_and_skips_the_file(tmp_path):
 
 
 def _old_file(path, traj, version: bytes) -> None:
-    """Write `traj` as a store file of an older schema version (1 or 2: no token_versions column)."""
-    old = pa.schema([f for f in SCHEMA if f.name != "token_versions"],
-                    metadata={b"odyssey.trajectory.schema_version": version})  # fmt: skip
+    """Write `traj` as a store file of an older schema version (1 or 2: no token_versions column; 1-3: no
+    image columns)."""
+    from rl.trajectory import _schema_of
+
+    old = _schema_of(int(version)).with_metadata({b"odyssey.trajectory.schema_version": version})
     batch = trajectories_to_batch([traj])
-    batch = pa.RecordBatch.from_arrays(batch.columns[:-1], schema=old)
+    batch = pa.RecordBatch.from_arrays([batch.column(n) for n in old.names], schema=old)
     if version != b"1":  # version 2 carries a CRC-32 per record batch
         from rl.trajectory import batch_crc32
 
@@ -247,10 +249,10 @@ def _old_file(path, traj, version: bytes) -> None:
         w.write_batch(batch)
 
 
-@pytest.mark.parametrize("version", [b"1", b"2"])
+@pytest.mark.parametrize("version", [b"1", b"2", b"3"])
 def test_older_stores_still_read(tmp_path, version):
-    """Files written before checksums (schema "1") and before token_versions (schema "2") read back
-    unchanged, with token_versions None."""
+    """Files written before checksums (schema "1"), before token_versions (schema "2") and before images
+    (schema "3") read back unchanged, with token_versions None (1, 2) and no images."""
     t = _rich_traj(0)
     _old_file(tmp_path / "00-old.arrow", t, version)
     store = TrajectoryStore(tmp_path)
@@ -258,7 +260,8 @@ def test_older_stores_still_read(tmp_path, version):
     got = store.read_all()
     assert [x.metadata["task_id"] for x in got] == ["t0", "t1"] and len(store) == 2
     assert np.array_equal(got[0].tokens, t.tokens) and got[0].step_infos == t.step_infos
-    assert got[0].token_versions is None
+    assert got[0].token_versions is None or version == b"3"
+    assert got[0].images == {} and got[0].image_spans == []
 
 
 def test_unknown_schema_version_is_an_error(tmp_path):

@@ -275,6 +275,26 @@ def test_prompt_longer_than_the_model_limit(engine):
     assert engine.generate([GenerationRequest(prompt(81, 5), SamplingParams(max_new_tokens=2))])[0].token_ids
 
 
+def test_images_are_refused_naming_torch_engine(engine):
+    """VllmEngine has no multimodal input path yet: a request with images is refused with the engine to use
+    (docs/vllm.md), and the engine keeps serving. The checkpoint (tiny, vision settings) loads its patch
+    embedding like any other weight."""
+    import numpy as np
+
+    from model.image import prepare_image
+    from model.tokenizer import encode_chat_images, load_tokenizer
+
+    img = prepare_image(np.zeros((16, 16, 3), np.uint8), 8, 64 * 64)
+    msgs = [{"role": "user", "content": [{"type": "image", "image": img}]}]
+    enc = encode_chat_images(load_tokenizer(), msgs)
+    with pytest.raises(ValueError, match=r"does not serve images.*rollout.engine=torch"):
+        engine.generate([GenerationRequest(enc.ids, SamplingParams(max_new_tokens=2), images=enc.images)])
+    assert engine.generate([GenerationRequest(prompt(82, 5), SamplingParams(max_new_tokens=2))])[0].token_ids
+    from rl.rollout.worker import policy_vision
+
+    assert policy_vision(engine) == (8, 64 * 64)  # a worker's codec prepares images, the engine refuses them
+
+
 def test_unknown_architecture_is_named(tmp_path):
     require_vllm()
     from rl.rollout.vllm_engine import VllmEngine

@@ -11,7 +11,11 @@ those M positions.
 Bad input is refused with a message that names the trajectory (`selection.describe`): an empty batch, a
 tokenizer fingerprint that differs from the learner's, token ids outside the vocabulary, a generated first
 token, a generated token without a rollout log-prob, routed experts missing (with routing replay on) or of the
-wrong shape or range.
+wrong shape or range, images for a text-only model, image spans whose tokens are not their image block, and
+image bytes that do not decode to their recorded patch grid.
+
+Images: each sample carries its images decoded once (pixels uint8 [3, h·p, w·p] with the position of their
+<|image_start|> token); `packing.collate` turns a micro-batch's images into the model's `ImagePatches`.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from model.image import ImageError, decode_prepared
 from rewards.placement import token_rewards
 from rl.config import GROUPED_ADVANTAGES
 from rl.learner.advantages import group_advantages, raft_advantages, turn_returns
 from rl.learner.selection import baseline_reward, describe, select
-from rl.trajectory import Trajectory
+from rl.trajectory import Trajectory, check_image_tokens
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class ModelFacts:
     n_experts: int
     top_k: int
     tokenizer: str | None  # fingerprint (model.tokenizer.tokenizer_fingerprint); None = not checked
+    vision_patch_size: int = 0  # the model's patch size p; 0 = text-only (trajectories with images refused)
 
 
 @dataclass
@@ -48,7 +55,8 @@ class Sample:
     at scored + 1; rollout_logp float32 [m]; replay uint16 [L, n_moe, k] | None: the experts the rollout used
     on each input (axis order = model.moe_layer_indices); advantages float64 [m] (gae: after the first pass);
     rewards float64 [m]: per-token rewards (gae). Filled by the learner's first pass: old_logp, ref_logp,
-    old_values, returns (float64 [m]).
+    old_values, returns (float64 [m]). images: (start, pixels uint8 [3, h·p, w·p]) per image span, start = the
+    index of its <|image_start|> token in input_ids.
     """
 
     index: int
@@ -65,6 +73,7 @@ class Sample:
     ref_logp: np.ndarray | None = None
     old_values: np.ndarray | None = None
     returns: np.ndarray | None = None
+    images: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -117,6 +126,16 @@ def check_trajectory(traj: Trajectory, index: int, facts: ModelFacts, need_routi
             f"{traj.rollout_logprobs[bad[0]]}); the engine must record the log-prob of every sampled token "
             "(off-policy correction compares it with the learner's)"
         )
+    if traj.image_spans:
+        if facts.vision_patch_size == 0:
+            raise ValueError(
+                f"{name}: holds {len(traj.image_spans)} image(s) but the model is text-only "
+                "(vision_patch_size=0); train it with a model preset that has vision settings"
+            )
+        try:
+            check_image_tokens(traj)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     re = traj.routed_experts
     if re is None:
         if need_routing:
@@ -145,8 +164,23 @@ def _turn_of_tokens(traj: Trajectory, positions: np.ndarray) -> np.ndarray:
     return np.searchsorted(starts, positions, side="right") - 1
 
 
-def to_sample(traj: Trajectory, index: int, group: object = None) -> Sample:
-    """The training view of one validated trajectory (see Sample)."""
+def decode_images(traj: Trajectory, index: int, patch_size: int) -> list[tuple[int, torch.Tensor]]:
+    """(start, pixels uint8 [3, h·p, w·p]) of each image span, decoded from the stored PNG and checked against
+    its content address and recorded grid; ValueError naming the trajectory otherwise."""
+    out, cache = [], {}
+    for sp in traj.image_spans:
+        if sp.sha256 not in cache:
+            try:
+                cache[sp.sha256] = decode_prepared(traj.images[sp.sha256], patch_size, (sp.grid_h, sp.grid_w),
+                                                   sp.sha256)
+            except ImageError as e:
+                raise ValueError(f"{describe(traj, index)}: image {sp.sha256[:16]}...: {e}") from None
+        out.append((sp.start, cache[sp.sha256]))
+    return out
+
+
+def to_sample(traj: Trajectory, index: int, group: object = None, patch_size: int = 0) -> Sample:
+    """The training view of one validated trajectory (see Sample); patch_size: the model's (images)."""
     tokens = traj.tokens.astype(np.int64)
     scored = np.flatnonzero(traj.loss_mask[1:]).astype(np.int64)
     replay = traj.routed_experts[:-1] if traj.routed_experts is not None else None
@@ -159,6 +193,7 @@ def to_sample(traj: Trajectory, index: int, group: object = None) -> Sample:
         targets=tokens[scored + 1],
         rollout_logp=traj.rollout_logprobs[scored + 1].astype(np.float32),
         replay=replay,
+        images=decode_images(traj, index, patch_size) if traj.image_spans else [],
     )
 
 
@@ -192,7 +227,7 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
     for i in sel.kept:
         check_trajectory(trajs[i], i, facts, lcfg.routing_replay and facts.n_moe_layers > 0)
     group_of = {i: g for g, idx in sel.groups.items() for i in idx}
-    samples = [to_sample(trajs[i], i, group_of.get(i)) for i in sel.kept]
+    samples = [to_sample(trajs[i], i, group_of.get(i), facts.vision_patch_size) for i in sel.kept]
     episode_adv: dict[int, float] = {}
     if grouped and sel.groups:
         members = [i for idx in sel.groups.values() for i in idx]
@@ -243,5 +278,6 @@ __all__ = [
     "check_tokenizer",
     "check_trajectory",
     "to_sample",
+    "decode_images",
     "episode_token_rewards",
 ]

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from model.context_parallel import context_parallel_forward, gather_shards, shard_bounds
 from model.modeling import OdysseyForCausalLM
 from model.sequence_chunks import chunked_forward
+from model.vision import ImagePatches
 from rl.learner.packing import MicroBatch
 from rl.learner.value import Critic, ValueHead
 
@@ -120,14 +121,23 @@ class TrainModule(nn.Module):
         ids, cu = mb.input_ids.to(dev), mb.cu_seqlens.to(dev)
         rep = mb.replay.to(dev) if replay else None  # shape and range checked per trajectory (batch.py)
         pos = mb.scored_pos.to(dev)
+        if mb.images is not None and mb.images.n:
+            critic_p = self.value.trunk.config.vision_patch_size if isinstance(self.value, Critic) else None
+            if values and critic_p is not None and critic_p != policy.config.vision_patch_size:
+                raise ValueError(f"the critic's patch size ({critic_p}) is not the policy's "
+                                 f"({policy.config.vision_patch_size}), so it cannot read this micro-batch's "
+                                 "images; use learner.critic_preset with the policy's vision settings, no "
+                                 "critic_preset (a copy of the policy), or value_model=head")
         if self.context_parallel_group is not None:
-            return self._context_parallel(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
+            return self._context_parallel(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values,
+                                          mb.images)
         if self.chunks(mb) > 1:
-            return self._chunked(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
-        return self._whole(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values)
+            return self._chunked(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images)
+        return self._whole(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images)
 
     def _chunked(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None, pos: torch.Tensor,
-                 targets: torch.Tensor, return_routed: bool, values: bool) -> ForwardOut:
+                 targets: torch.Tensor, return_routed: bool, values: bool, images: ImagePatches | None = None
+                 ) -> ForwardOut:
         """`forward` in windows of sequence_chunk_tokens (model/sequence_chunks.py): each window's scored
         positions go through the LM head (and value head) inside the window."""
         policy = self.policy
@@ -143,7 +153,8 @@ class TrainModule(nn.Module):
             logp, entropy = head_logprobs(hs, targets[order[a:b]], policy.lm_head.weight)
             return (logp, entropy, self.value(hs)) if values else (logp, entropy)
 
-        outs, routed, _ = chunked_forward(policy.model, ids, cu, rep, self.sequence_chunk_tokens, head)
+        outs, routed, _ = chunked_forward(policy.model, ids, cu, rep, self.sequence_chunk_tokens, head,
+                                          images=images.to(ids.device) if images is not None else None)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         logp, entropy = (torch.cat([o[k] for o in outs])[inverse] for k in (0, 1))
@@ -152,8 +163,8 @@ class TrainModule(nn.Module):
                           aux=None)
 
     def _context_parallel(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None,
-                          pos: torch.Tensor,
-                          targets: torch.Tensor, return_routed: bool, values: bool) -> ForwardOut:
+                          pos: torch.Tensor, targets: torch.Tensor, return_routed: bool, values: bool,
+                          images: ImagePatches | None = None) -> ForwardOut:
         """`forward` on this rank's shard of the micro-batch (model/context_parallel.py); the scored positions
         of the shard go through the LM head (and value head) here, and every shard's results are gathered, so
         every rank of the group returns the whole micro-batch's ForwardOut (the loss is then computed whole
@@ -162,10 +173,11 @@ class TrainModule(nn.Module):
         policy = self.policy
         R = dist.get_world_size(group)
         if ids.shape[0] < R:  # too short to split (the idle rank's one token): every rank runs it whole and
-            out = self._whole(ids, cu, rep, pos, targets, return_routed, values)  # gives 1/R of the grad
+            out = self._whole(ids, cu, rep, pos, targets, return_routed, values, images)  # 1/R of the grad
             return ForwardOut(*(None if t is None else _ScaleGrad.apply(t, 1.0 / R) if t.is_floating_point()
                                 else t for t in dataclasses.astuple(out)))
-        h, shard, routed = context_parallel_forward(policy.model, ids, cu, rep, group, return_routed)
+        h, shard, routed = context_parallel_forward(policy.model, ids, cu, rep, group, return_routed,
+                                                    images.to(ids.device) if images is not None else None)
         bounds = torch.tensor(shard_bounds(ids.shape[0], R), device=pos.device)
         owner = torch.bucketize(pos, bounds[1:], right=True)  # shard of each scored position
         mine = (owner == dist.get_rank(group)).nonzero().squeeze(-1)
@@ -185,14 +197,15 @@ class TrainModule(nn.Module):
                           routed=routed_all, aux=None)
 
     def _whole(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None, pos: torch.Tensor,
-               targets: torch.Tensor, return_routed: bool, values: bool) -> ForwardOut:
-        """`forward` in one pass over the whole micro-batch."""
-        h, _, routed, aux = self.policy.model(ids, cu, None, rep, return_routed)
+               targets: torch.Tensor, return_routed: bool, values: bool, images: ImagePatches | None = None
+               ) -> ForwardOut:
+        """`forward` in one pass over the whole micro-batch (with its images, if any)."""
+        h, _, routed, aux = self.policy.model(ids, cu, None, rep, return_routed, images)
         hs = h[pos]
         logp, entropy = head_logprobs(hs, targets, self.policy.lm_head.weight)
         v = None
         if values:
-            v = self.value(hs) if isinstance(self.value, ValueHead) else self.value(ids, cu, pos)
+            v = self.value(hs) if isinstance(self.value, ValueHead) else self.value(ids, cu, pos, images)
         return ForwardOut(logp=logp, entropy=entropy, values=v, routed=routed, aux=aux)
 
 

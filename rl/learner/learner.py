@@ -198,6 +198,7 @@ class Learner:
             n_experts=mc.n_routed_experts,
             top_k=mc.num_experts_per_tok,
             tokenizer=tokenizer_fingerprint(tok),
+            vision_patch_size=mc.vision_patch_size,
         )
         self.autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
         self.replay = lc.routing_replay and self.facts.n_moe_layers > 0  # R3 (a dense model has no routing)
@@ -390,7 +391,8 @@ class Learner:
 
     def _collate(self, samples: Sequence[Sample], fields: Sequence[str], routing: bool) -> MicroBatch:
         with_replay = (self.replay or routing) and all(s.replay is not None for s in samples)
-        return collate(samples, fields, with_replay=with_replay)
+        return collate(samples, fields, with_replay=with_replay,
+                       patch_size=self.policy.config.vision_patch_size)
 
     @torch.no_grad()
     def _first_pass(

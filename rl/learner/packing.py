@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from model.vision import ImagePatches
+
 
 def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """First-fit-decreasing bins of at most `max_tokens` tokens: the indices into `lengths` of each
@@ -54,7 +56,8 @@ class MicroBatch:
     input_ids int64 [L]; cu_seqlens int32 [N+1]; replay int64 [L, n_moe, k] or None;
     scored_pos int64 [M]: positions in [0, L) whose next token is scored; targets int64 [M]: those tokens;
     seq int64 [M]: which of the N sequences each scored token belongs to; seq_tokens int64 [N]: scored tokens
-    per sequence; data: per-scored-token float64 tensors [M] named like the sample fields they come from.
+    per sequence; data: per-scored-token float64 tensors [M] named like the sample fields they come from;
+    images: the patches of every sample's images, token_index into input_ids (None when there are none).
     """
 
     input_ids: torch.Tensor
@@ -65,6 +68,7 @@ class MicroBatch:
     seq: torch.Tensor
     seq_tokens: torch.Tensor
     data: dict[str, torch.Tensor]
+    images: ImagePatches | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -75,9 +79,11 @@ class MicroBatch:
         return int(self.scored_pos.numel())
 
 
-def collate(samples: Sequence, fields: Sequence[str] = (), with_replay: bool = False) -> MicroBatch:
+def collate(samples: Sequence, fields: Sequence[str] = (), with_replay: bool = False, patch_size: int = 0
+            ) -> MicroBatch:
     """Concatenate `samples` (objects with input_ids [L_i], scored [m_i], targets [m_i], replay
-    [L_i, n_moe, k] | None and the per-scored-token arrays named in `fields`) into one MicroBatch."""
+    [L_i, n_moe, k] | None, the per-scored-token arrays named in `fields`, and optionally images: a list of
+    (start, pixels [3, h·p, w·p])) into one MicroBatch. patch_size: the model's p (needed with images)."""
     lens = [len(s.input_ids) for s in samples]
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     m = [len(s.scored) for s in samples]
@@ -87,6 +93,13 @@ def collate(samples: Sequence, fields: Sequence[str] = (), with_replay: bool = F
         if any(p is None or p.shape != (k,) for p, k in zip(parts, m)):
             raise ValueError(f"every sample needs {f} with one value per scored token before collate")
         data[f] = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0)).to(torch.float64)
+    images = None
+    if any(getattr(s, "images", None) for s in samples):
+        if patch_size < 1:
+            raise ValueError("samples hold images: pass the model's patch size to collate (patch_size=p)")
+        pixels = [px for s in samples for _, px in s.images]
+        starts = [int(o) + st for s, o in zip(samples, offsets) for st, _ in s.images]
+        images = ImagePatches.from_images(pixels, starts, patch_size)
     replay = None
     if with_replay:
         replay = torch.from_numpy(np.concatenate([s.replay for s in samples]).astype(np.int64))
@@ -99,6 +112,7 @@ def collate(samples: Sequence, fields: Sequence[str] = (), with_replay: bool = F
         seq=torch.from_numpy(np.repeat(np.arange(len(samples)), m)),
         seq_tokens=torch.tensor(m, dtype=torch.int64),
         data=data,
+        images=images,
     )
 
 

@@ -34,7 +34,8 @@ class ValueHead(nn.Module):
 
 
 class Critic(nn.Module):
-    """A separate trunk with a value head: (input_ids [L], cu_seqlens [N+1], positions [M]) -> V [M]."""
+    """A separate trunk with a value head: (input_ids [L], cu_seqlens [N+1], positions [M], images) -> V [M].
+    images: the micro-batch's `model.vision.ImagePatches` (the trunk must have the policy's patch size)."""
 
     def __init__(self, trunk: OdysseyModel) -> None:
         super().__init__()
@@ -42,9 +43,9 @@ class Critic(nn.Module):
         self.head = ValueHead(trunk.config.hidden_size)
 
     def forward(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, positions: torch.Tensor
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, positions: torch.Tensor, images=None
     ) -> torch.Tensor:
-        h, _, _, _ = self.trunk(input_ids, cu_seqlens, None, None, False)
+        h, _, _, _ = self.trunk(input_ids, cu_seqlens, None, None, False, images)
         return self.head(h[positions])
 
     def moe_layers(self) -> list[nn.Module]:

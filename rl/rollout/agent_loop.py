@@ -22,6 +22,13 @@ The decoded conversation goes to `metadata["messages"]` (the env's prompt messag
 turn's text, each observation message; `metadata["n_prompt_messages"]` of them are the prompt), so
 reward functions read text without a tokenizer (rewards/text.py).
 
+Images: a prompt or observation message may hold {"type": "image", "image": ...} content parts (encoded
+bytes, a PIL image, a uint8 [H, W, 3] array, or a `model.image.PreparedImage`). The codec prepares each once
+with the policy's vision settings (`ChatCodec(tokenizer, patch_size, max_pixels)`), the request carries them
+to the engine (`GenerationRequest.images`), and the trajectory records them content-addressed
+(`Trajectory.images`, `image_spans`); `metadata["messages"]` names each image by its sha256 instead of
+holding its bytes. Images given to a text-only codec end the episode as an "env" infra error naming the fix.
+
 Seeds: `seed` is the task's (env.reset); `sample_seed` (default: `seed`) seeds the sampling, so several
 samples of one task (a GRPO group) draw different completions of the same problem.
 
@@ -54,7 +61,7 @@ import numpy as np
 from envs.tool_call import without_surrogates
 from rl.rollout.engine import GenerationRequest, InferenceEngine, Session
 from rl.rollout.sampling import SamplingParams
-from rl.trajectory import StepInfo, Trajectory, TurnSpan
+from rl.trajectory import ImageSpan, StepInfo, Trajectory, TurnSpan
 
 
 @dataclass(frozen=True)
@@ -78,12 +85,14 @@ class EpisodeConfig:
 
 class ChatCodec:
     """The tokenizer side of the loop (model/tokenizer.py): prompt rendering, continuation encoding,
-    stop tokens, decoding. The loop itself never touches template details."""
+    stop tokens, decoding, and images (prepared with the policy's `patch_size` / `max_pixels`; 0 = the
+    policy is text-only). The loop itself never touches template details."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, patch_size: int = 0, max_pixels: int = 0):
         from model import tokenizer as tk
 
         self.tok = tokenizer
+        self.patch_size, self.max_pixels = int(patch_size), int(max_pixels)
         self._tk = tk
         self.fingerprint = tk.tokenizer_fingerprint(tokenizer)  # recorded in every trajectory's metadata
         self.eot_id = int(tk.end_of_turn_id(tokenizer))
@@ -94,14 +103,61 @@ class ChatCodec:
 
     def render_prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """ids(render(messages, tools, add_generation_prompt=True)), BOS included."""
-        return [
-            int(i)
-            for i in self._tk.encode_chat(self.tok, messages, tools or None, add_generation_prompt=True)
-        ]
+        return self.encode_prompt(messages, tools).ids
 
     def continuation(self, messages: list[dict]) -> list[int]:
         """ids of `messages` right after an assistant END_OF_TURN, ending with the next generation prompt."""
-        return [int(i) for i in self._tk.encode_continuation(self.tok, messages, add_generation_prompt=True)]
+        return self.encode_observation(messages).ids
+
+    def encode_prompt(self, messages: list[dict], tools: list[dict] | None) -> Any:
+        """`render_prompt` with its images: model.tokenizer.ChatEncoding(ids, [(offset, PreparedImage)])."""
+        enc = self._tk.encode_chat_images(self.tok, self.prepare(messages), tools or None,
+                                          add_generation_prompt=True)
+        enc.ids = [int(i) for i in enc.ids]
+        return enc
+
+    def encode_observation(self, messages: list[dict]) -> Any:
+        """`continuation` with its images (offsets relative to the continuation)."""
+        enc = self._tk.encode_continuation_images(self.tok, self.prepare(messages),
+                                                  add_generation_prompt=True)
+        enc.ids = [int(i) for i in enc.ids]
+        return enc
+
+    def prepare(self, messages: list[dict]) -> list[dict]:
+        """Messages with every image part's image a PreparedImage (decoded and resized once)."""
+        from model.image import PreparedImage, prepare_image
+
+        out = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(content, list) or not any(_is_image(p) for p in content):
+                out.append(m)
+                continue
+            if not self.patch_size:
+                raise ValueError("a message holds an image but the policy is text-only: build the codec with "
+                                 "the model's vision settings, ChatCodec(tokenizer, patch_size="
+                                 "config.vision_patch_size, max_pixels=config.vision_max_pixels)")
+            parts = [
+                {**p, "image": p["image"] if isinstance(p.get("image"), PreparedImage)
+                 else prepare_image(p.get("image"), self.patch_size, self.max_pixels)}
+                if _is_image(p) else p
+                for p in content
+            ]
+            out.append({**m, "content": parts})
+        return out
+
+    @staticmethod
+    def for_record(messages: list[dict]) -> list[dict]:
+        """JSON-safe copies of messages: an image part becomes {"type": "image", "sha256": ...} (its content
+        address in Trajectory.images)."""
+        out = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                m = {**m, "content": [{"type": "image", "sha256": getattr(p.get("image"), "sha256", None)}
+                                      if _is_image(p) else p for p in content]}
+            out.append(dict(m))
+        return out
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids, markup and special tokens kept (ids outside the tokenizer's vocab decode to "")."""
@@ -116,8 +172,12 @@ class ChatCodec:
         return self.stop_ids, (self.tool_close,)
 
 
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image"
+
+
 class _Builder:
-    """Accumulates the trajectory's per-token arrays and turn spans."""
+    """Accumulates the trajectory's per-token arrays, turn spans and images."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -126,6 +186,8 @@ class _Builder:
         self.routed: list[np.ndarray | None] = []
         self.versions: list[int] = []
         self.turns: list[TurnSpan] = []
+        self.images: dict[str, bytes] = {}
+        self.image_spans: list[ImageSpan] = []
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -137,10 +199,14 @@ class _Builder:
         logprobs: list[float] | None = None,
         routed: np.ndarray | None = None,
         versions: list[int] | None = None,
+        images: list[tuple[int, Any]] = (),
     ) -> None:
         if not ids:
             return
         start = len(self.tokens)
+        for o, img in images:  # (offset in ids, PreparedImage)
+            self.images.setdefault(img.sha256, img.png)
+            self.image_spans.append(ImageSpan(img.sha256, start + o, start + o + img.n_tokens, *img.grid))
         self.tokens += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [math.nan] * len(ids)
@@ -243,16 +309,17 @@ async def run_episode(
         try:
             messages, info = await env.areset(seed=seed, options=reset_options)
             meta["task_id"] = info.get("task_id")
-            messages = _encodable(messages)
-            pending = [("prompt", codec.render_prompt(messages, env.tool_schemas()))]
-            convo = [dict(m) for m in messages]  # the decoded conversation, for rewards (rewards/text.py)
+            messages = codec.prepare(_encodable(messages))
+            enc = codec.encode_prompt(messages, env.tool_schemas())
+            pending = [("prompt", enc.ids, enc.images)]
+            convo = codec.for_record(messages)  # the decoded conversation, for rewards (rewards/text.py)
             meta.update(messages=convo, n_prompt_messages=len(convo))
         except (Exception, SystemExit) as e:
             infra, source = f"env.reset: {_err(e)}", _source(e)
             raise _EpisodeOver from e
         turn = 0
         while True:
-            n_pending = sum(len(ids) for _, ids in pending)
+            n_pending = sum(len(ids) for _, ids, _ in pending)
             budget = cfg.max_episode_tokens - len(b) - n_pending
             if budget <= 0 or (cfg.max_turns is not None and turn >= cfg.max_turns):
                 truncated = True
@@ -267,19 +334,23 @@ async def run_episode(
                 stop_strings=stop_strs,
                 seed=hash((draw, turn)) & 0x7FFFFFFF,
             )
-            prompt_ids = [t for _, ids in pending for t in ids]
+            prompt_ids = [t for _, ids, _ in pending for t in ids]
+            images, offset = [], 0
+            for _, ids, imgs in pending:
+                images += [(offset + o, img) for o, img in imgs]
+                offset += len(ids)
             try:
                 res = await engine.agenerate(
-                    GenerationRequest(prompt_ids, params, session, request_id=f"{draw}:{turn}")
+                    GenerationRequest(prompt_ids, params, session, request_id=f"{draw}:{turn}", images=images)
                 )
             except (Exception, SystemExit) as e:  # engine failure: the pending tokens were never seen
                 infra, source = f"engine: {_err(e)}", "engine"
                 break
             session = res.session
-            for (role, ids), r in zip(
-                pending, _split_routing(res.prompt_routed_experts, [len(ids) for _, ids in pending])
+            for (role, ids, imgs), r in zip(
+                pending, _split_routing(res.prompt_routed_experts, [len(ids) for _, ids, _ in pending])
             ):
-                b.add(role, ids, routed=r)
+                b.add(role, ids, routed=r, images=imgs)
             pending = []
             versions = list(getattr(res, "token_versions", None) or [res.weight_version] * len(res.token_ids))
             b.add(
@@ -315,11 +386,12 @@ async def run_episode(
                 meta["truncation"] = "env"
                 break
             if not ended_turn:
-                pending.append(("assistant", [codec.eot_id]))  # close the turn as the template does
+                pending.append(("assistant", [codec.eot_id], []))  # close the turn as the template does
             try:
-                obs = _encodable(obs)
-                pending.append(("observation", codec.continuation(obs)))
-                convo.extend(dict(m) for m in obs)
+                obs = codec.prepare(_encodable(obs))
+                enc = codec.encode_observation(obs)
+                pending.append(("observation", enc.ids, enc.images))
+                convo.extend(codec.for_record(obs))
             except Exception as e:  # the env returned messages that are not chat messages
                 infra, source = f"env observation: {_err(e)}", "env"
                 break
@@ -355,4 +427,6 @@ async def run_episode(
         infra_error=infra,
         metadata=meta,
         token_versions=np.asarray(b.versions, dtype=np.int32),
+        images=b.images,
+        image_spans=b.image_spans,
     )

@@ -3,7 +3,9 @@
 An engine turns `GenerationRequest`s into `GenerationResult`s:
 
     request: prompt_ids (the tokens to append: a whole prompt, or on a later turn of the same
-             conversation only the new observation tokens), SamplingParams, optional Session
+             conversation only the new observation tokens), SamplingParams, optional Session, and the
+             images among those tokens: (offset of the image block's <|image_start|> in prompt_ids,
+             model.image.PreparedImage), as `model.tokenizer.encode_chat_images` returns them
     result:  token_ids [n_new], logprobs [n_new] (of the distribution actually sampled from, see
              rl/rollout/sampling.py), routed experts of every fed token (R3):
              prompt_routed_experts [n_prompt, n_moe_layers, k] and routed_experts [n_new, n_moe_layers, k],
@@ -31,7 +33,11 @@ TorchEngine: OdysseyForCausalLM in fp32 (CPU or GPU), no padding anywhere:
   and leave when finished (OdysseyCache.concat / .select);
 - a sequence that stops is fed its last token once more ("flush") before leaving, so its cache
   holds every token and the routed experts of every generated token are recorded;
-- sampling draws from a per-request torch.Generator: tokens do not depend on batch composition.
+- sampling draws from a per-request torch.Generator: tokens do not depend on batch composition;
+- images (TorchEngine only; VllmEngine refuses them): each image's patch embeddings are written over its
+  <|image_pad|> tokens in the prefill (`model.vision.ImagePatches`, windowed when a chunk boundary cuts
+  an image); a session keeps its images with its token history, so a re-prefill after a weight update
+  sees them again.
 
 Concurrency: many episodes share one batched engine through `await engine.agenerate(request)`; a
 single asyncio serving task gathers pending requests and steps them with the running ones in a
@@ -79,6 +85,7 @@ class Session:
     weight_version: int = 0
     busy: bool = False
     token_ids: list[int] = field(default_factory=list)
+    images: list[tuple[int, Any]] = field(default_factory=list)  # (position in token_ids, PreparedImage)
 
 
 @dataclass
@@ -87,13 +94,16 @@ class GenerationRequest:
     continuing `session`). sampling: decoding parameters. session: None starts a new conversation.
     forced_ids: teacher forcing (TorchEngine): instead of sampling, the engine appends these tokens as the
     turn's output and returns them with their log-probs under the distribution `sampling` describes and
-    their routed experts, as if it had sampled them (a scripted policy scored by the real model)."""
+    their routed experts, as if it had sampled them (a scripted policy scored by the real model).
+    images: (offset in prompt_ids of an image block's <|image_start|> token, model.image.PreparedImage) for
+    each image among the prompt tokens; the block must be model.vision.image_token_ids(*image.grid)."""
 
     prompt_ids: Sequence[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     session: Session | None = None
     request_id: str | None = None
     forced_ids: Sequence[int] = ()
+    images: Sequence[tuple[int, Any]] = ()
 
 
 @dataclass
@@ -173,6 +183,8 @@ class _Seq:
         "cache_version",
         "n_forced",
         "forced_logits",
+        "images",
+        "patches",
     )
 
     def __init__(self, req: GenerationRequest, seed: int, new_session: Session):
@@ -183,6 +195,8 @@ class _Seq:
         self.session = req.session if req.session is not None else new_session
         self.n_forced = len(req.forced_ids)  # teacher-forced output, prefilled after the prompt
         self.todo = list(map(int, req.prompt_ids)) + list(map(int, req.forced_ids))
+        self.images = [(int(o), img) for o, img in req.images]  # (position in todo, PreparedImage)
+        self.patches = None  # ImagePatches over todo positions, built at the first prefill
         self.pos = 0  # tokens of `todo` already prefilled
         # logits that score the forced tokens: the session's next-token logits when there is no prompt,
         # then the prefill's at each forced position but the last (filled by _prefill)
@@ -367,6 +381,8 @@ class TorchEngine:
             raise ValueError(
                 "stop_strings need a detokenizer: TorchEngine(model, detokenize=tokenizer.decode)"
             )
+        if req.images:
+            self._check_images(req)
         seed = req.sampling.seed
         if seed is None:
             seed = hash((self._base_seed, next(self._seed_seq))) & 0x7FFFFFFF
@@ -374,6 +390,46 @@ class TorchEngine:
         seq.session.busy = True
         self.stats["requests"] += 1
         return seq
+
+    def _check_images(self, req: GenerationRequest) -> None:
+        """Images need a vision model, and each must sit on its own image block inside prompt_ids."""
+        from model.vision import image_token_ids
+
+        p = getattr(self.config, "vision_patch_size", 0)
+        if not p:
+            raise ValueError("GenerationRequest.images given but the model is text-only "
+                             "(vision_patch_size=0); use a model preset with vision settings")
+        prompt = list(map(int, req.prompt_ids))
+        prev = 0
+        for j, (o, img) in enumerate(req.images):
+            grid = getattr(img, "grid", None)
+            pixels = getattr(img, "pixels", None)
+            if grid is None or pixels is None:
+                raise ValueError(f"GenerationRequest.images[{j}] must be (offset, PreparedImage) as "
+                                 "model.tokenizer.encode_chat_images returns it")
+            block = image_token_ids(*grid)
+            if not (prev <= int(o) and prompt[int(o):int(o) + len(block)] == block):
+                raise ValueError(f"GenerationRequest.images[{j}] at offset {o}: prompt_ids there are not the "
+                                 f"image block of its {grid[0]}x{grid[1]} grid (or it overlaps the previous "
+                                 "image); "
+                                 "take prompt_ids and images from one encode_chat_images / "
+                                 "encode_continuation_images call")
+            if tuple(pixels.shape) != (3, grid[0] * p, grid[1] * p):
+                raise ValueError(f"GenerationRequest.images[{j}] has pixels {tuple(pixels.shape)}, not "
+                                 f"[3, {grid[0] * p}, {grid[1] * p}] for the model's patch size {p}: prepare "
+                                 "images with the model's vision_patch_size and vision_max_pixels")
+            prev = int(o) + len(block)
+
+    def _patches(self, s: _Seq) -> Any:
+        """ImagePatches of `s` over its todo positions (None without images), built once."""
+        if not s.images:
+            return None
+        if s.patches is None:
+            from model.vision import ImagePatches
+
+            s.patches = ImagePatches.from_images([img.pixels for _, img in s.images],
+                                                 [o for o, _ in s.images], self.config.vision_patch_size)
+        return s.patches
 
     def _result(self, s: _Seq) -> GenerationResult:
         s.session.busy = False
@@ -391,16 +447,19 @@ class TorchEngine:
         )
 
     def _forward(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: Any, logit_index: torch.Tensor | None
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: Any, logit_index: torch.Tensor | None,
+        images: Any = None,
     ) -> tuple[torch.Tensor, np.ndarray | None, Any]:
         """One packed forward on the model's device. logit_index None = every position (a decode step).
+        images: ImagePatches over input_ids positions (prefill) or None.
         Returns (logits [len(logit_index), V] fp32 on CPU, routed experts [T, L, k] as a numpy array | None,
         cache on the model's device)."""
         t0 = time.perf_counter()
         dev = self.device
         logits, routed, cache = _packed_forward(
             self.model, input_ids.to(dev), cu_seqlens.to(dev), cache,
-            logit_index.to(dev) if logit_index is not None else None, self._moe
+            logit_index.to(dev) if logit_index is not None else None, self._moe,
+            images.to(dev) if images is not None else None,
         )
         self.stats["forwards"] += 1
         self.stats["forward_s"] += time.perf_counter() - t0
@@ -491,6 +550,7 @@ class TorchEngine:
         sess = s.session
         sess.cache = cache_row
         sess.num_tokens += len(s.todo) + len(s.tokens)
+        sess.images += [(len(sess.token_ids) + o, img) for o, img in s.images]
         sess.token_ids += s.todo + s.tokens
         sess.next_logits = next_logits
         sess.weight_version = self._version
@@ -500,9 +560,12 @@ class TorchEngine:
         the session's tokens + the new ones instead (routing and prompt_len count only the new ones)."""
         sess = s.session
         s.n_hist = len(sess.token_ids)
+        s.images = list(sess.images) + [(s.n_hist + o, img) for o, img in s.images]
+        s.patches = None
         s.todo = list(sess.token_ids) + s.todo
         s.cache, s.last_logits = None, None
         sess.cache, sess.next_logits, sess.token_ids, sess.num_tokens = None, None, [], 0
+        sess.images = []
 
     def _rebuild_running(self, running: list[_Seq], cache: Any) -> Any:
         """Batch cache with the rows of sequences decoded under older weights recomputed from their tokens
@@ -513,7 +576,9 @@ class TorchEngine:
         for i in stale:
             s = running[i]
             hist = list(s.session.token_ids) + s.todo + s.tokens[:-1]
-            probe = _Seq(GenerationRequest(hist), 0, Session(weight_version=self._version))
+            n_sess = len(s.session.token_ids)
+            images = list(s.session.images) + [(n_sess + o, img) for o, img in s.images]
+            probe = _Seq(GenerationRequest(hist, images=images), 0, Session(weight_version=self._version))
             probes.append(probe)
         self._prefill(probes)
         rebuilt = dict(zip(stale, (p.cache for p in probes)))
@@ -561,7 +626,14 @@ class TorchEngine:
                     index.append(int(cu[i]) + q - s.pos)
             logit_index = torch.tensor(index, dtype=torch.long)
             cache = _concat([s.cache for s, _ in parts]) if len(parts) > 1 else parts[0][0].cache
-            logits, routed, cache = self._forward(ids, cu, cache, logit_index)
+            windows = [(self._patches(s), s.pos, n, int(cu[i])) for i, (s, n) in enumerate(parts)]
+            windows = [(p.window(a, a + n), o) for p, a, n, o in windows if p is not None]
+            images = None
+            if windows:
+                from model.vision import ImagePatches
+
+                images = ImagePatches.concat([w for w, _ in windows], [o for _, o in windows])
+            logits, routed, cache = self._forward(ids, cu, cache, logit_index, images)
             for j, (s, q) in enumerate(wanted):
                 s.forced_logits[q] = logits[len(done) + j]
             self.stats["prefill_tokens"] += int(lens.sum())
@@ -602,19 +674,22 @@ def _packed_forward(
     cache: Any,
     logit_index: torch.Tensor | None,
     moe: bool,
+    images: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
     """Packed forward returning logits only at `logit_index` (positions in input_ids; None = all): [len, V]
     fp32.
 
     Runs the backbone (`model.model`: hidden [T, D]) and applies the LM head to the selected rows only,
-    so a prefill chunk never builds [T, vocab]. Returns (logits, routed [T, n_moe, k] | None, new cache).
+    so a prefill chunk never builds [T, vocab]. images: ImagePatches over input_ids positions, or None.
+    Returns (logits, routed [T, n_moe, k] | None, new cache).
     """
     backbone = getattr(model, "model", None)
     if backbone is None or not hasattr(model, "head_logits"):  # not an OdysseyForCausalLM: full forward
-        out = model(input_ids, cu_seqlens=cu_seqlens, cache=cache, return_routed_experts=moe)
+        kw = {"images": images} if images is not None else {}
+        out = model(input_ids, cu_seqlens=cu_seqlens, cache=cache, return_routed_experts=moe, **kw)
         logits = out.logits if logit_index is None else out.logits[logit_index]
         return logits.float(), (out.routed_experts if moe else None), out.cache
-    h, new_layers, routed, _ = backbone(input_ids, cu_seqlens, cache, None, moe)
+    h, new_layers, routed, _ = backbone(input_ids, cu_seqlens, cache, None, moe, images)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     logits = model.head_logits(h if logit_index is None else h[logit_index]).float()
     return logits, routed, cache.advanced(new_layers, lens)

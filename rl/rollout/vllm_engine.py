@@ -353,6 +353,10 @@ class VllmEngine:
         if req.forced_ids:
             raise ValueError("GenerationRequest.forced_ids (teacher forcing) is a TorchEngine feature: "
                              "score a scripted policy with rollout.engine=torch")
+        if req.images:
+            raise ValueError("GenerationRequest.images: VllmEngine does not serve images yet (the plugin has "
+                             "no multimodal input path, docs/vllm.md); roll out image episodes with "
+                             "TorchEngine (rollout.engine=torch)")
         if req.sampling.stop_strings and self.detokenize is None:
             raise ValueError("stop_strings need a detokenizer: "
                              "VllmEngine(model_dir, detokenize=tokenizer.decode)")

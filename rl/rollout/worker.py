@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import shutil
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -163,6 +165,20 @@ def build_engine(settings: WorkerSettings, detokenize: Callable[[list[int]], str
     return engine, tmp
 
 
+def policy_vision(engine: Any) -> tuple[int, int]:
+    """(vision_patch_size, vision_max_pixels) of the engine's policy, (0, 0) when unknown or text-only: the
+    codec prepares env images with them. TorchEngine: its model's config; VllmEngine: its checkpoint's
+    config.json (it then refuses the images itself, naming the engine to use)."""
+    cfg = getattr(engine, "config", None)
+    if cfg is not None:
+        return int(getattr(cfg, "vision_patch_size", 0) or 0), int(getattr(cfg, "vision_max_pixels", 0) or 0)
+    model_dir = getattr(engine, "model_dir", None)
+    if model_dir is not None and (Path(model_dir) / "config.json").is_file():
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        return int(raw.get("vision_patch_size") or 0), int(raw.get("vision_max_pixels") or 0)
+    return 0, 0
+
+
 @dataclass
 class WorkerReport:
     """Statistics of one `run` (summed over its episodes; merged across workers by `merge`)."""
@@ -289,6 +305,7 @@ class RolloutWorker:
         if engine is None:
             engine, self._engine_dir = build_engine(settings, self.codec.decode)
         self.engine = engine
+        self.codec.patch_size, self.codec.max_pixels = policy_vision(engine)
         self._env_factory = env_factory
         self._pool = sandbox_pool
         self._own_pool = False
