@@ -11,6 +11,7 @@ conversation (no re-tokenisation drift).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import threading
@@ -79,11 +80,15 @@ def summarising_agent(client, task) -> str:
 
 
 def _trainer_check(model, traj) -> None:
-    """The oracle: stored log-probs and routes == the trainer's forward on the stored tokens."""
+    """The oracle: stored log-probs and routes == the trainer's forward on the stored tokens, each segment
+    (metadata["segment_starts"]) its own sequence."""
     ids = torch.as_tensor(traj.tokens, dtype=torch.long)
+    bounds = [0, *traj.metadata.get("segment_starts", []), len(ids)]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    cu_in = torch.tensor([*bounds[:-1], len(ids) - 1], dtype=torch.int32)
     with torch.no_grad():
-        lp = model.token_logprobs(ids[:-1], ids[1:])
-        routed = model(ids, return_routed_experts=True).routed_experts
+        lp = model.token_logprobs(ids[:-1], ids[1:], cu_seqlens=cu_in)
+        routed = model(ids, cu_seqlens=cu, return_routed_experts=True).routed_experts
     mask = traj.loss_mask[1:].astype(bool)
     assert mask.sum() > 0
     got = torch.as_tensor(traj.rollout_logprobs[1:][mask])
@@ -160,11 +165,32 @@ def test_an_agent_that_rewrites_its_history_gets_one_record_per_segment(model, c
 
     traj = asyncio.run(run())
     assert traj.infra_error is None and traj.outcome == 0.0
-    assert traj.metadata["n_segments"] == 2 and traj.metadata["context_replaced_at"] == 2
-    assert traj.metadata["earlier_segment_tokens"] == [len(rec_box["rec"].segments[0].builder)]
+    assert traj.metadata["n_segments"] == 2 and traj.metadata["context_replaced_at"] == [2]
+    first = len(rec_box["rec"].segments[0].builder)
+    assert traj.metadata["segment_starts"] == [first] and traj.turns[2].role == "prompt"
     for seg in rec_box["rec"].trajectories(0.0, {}):
         _trainer_check(model, seg)
-    assert "already said 42" in traj.metadata["messages"][1]["content"]
+    _trainer_check(model, traj)  # the whole episode, the context restarting at the segment start
+    assert "already said 42" in traj.metadata["messages"][-2]["content"]
+    # the learner's own path: validation, to_sample and collate put the segment start into cu_seqlens
+    from rl.learner.batch import check_segments, to_sample
+    from rl.learner.forward import TrainModule
+    from rl.learner.packing import collate
+
+    check_segments(traj, "episode")
+    sample = to_sample(traj, 0)
+    mb = collate([sample], with_replay=True)
+    assert mb.cu_seqlens.tolist() == [0, first, len(traj.tokens) - 1]
+    with torch.no_grad():
+        got = TrainModule(model)(mb, replay=True).logp
+        mb.cu_seqlens = torch.tensor([0, len(traj.tokens) - 1], dtype=torch.int32)
+        blind = TrainModule(model)(mb, replay=True).logp
+    rollout = torch.from_numpy(sample.rollout_logp.astype(np.float64))
+    assert (got - rollout).abs().max() <= PARITY_TOL
+    assert (blind - rollout).abs().max() > 1e-3  # without the restart the second segment reads the first
+    bad = dict(traj.metadata, segment_starts=[first + 1])
+    with pytest.raises(ValueError, match="start of a 'prompt' turn"):
+        check_segments(dataclasses.replace(traj, metadata=bad), "episode")
 
 
 # ----------------------------------------------------------------------------------------- bad input

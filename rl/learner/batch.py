@@ -56,7 +56,9 @@ class Sample:
     on each input (axis order = model.moe_layer_indices); advantages float64 [m] (gae: after the first pass);
     rewards float64 [m]: per-token rewards (gae). Filled by the learner's first pass: old_logp, ref_logp,
     old_values, returns (float64 [m]). images: (start, pixels uint8 [3, h·p, w·p]) per image span, start = the
-    index of its <|image_start|> token in input_ids.
+    index of its <|image_start|> token in input_ids. segment_starts int64 [s]: inputs where the context
+    restarts inside the sample (an agent that rewrote its history, `metadata["segment_starts"]`): the
+    forward treats each segment as its own sequence.
     """
 
     index: int
@@ -74,6 +76,7 @@ class Sample:
     old_values: np.ndarray | None = None
     returns: np.ndarray | None = None
     images: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    segment_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def n_tokens(self) -> int:
@@ -103,11 +106,25 @@ def check_tokenizer(traj: Trajectory, index: int, facts: ModelFacts) -> None:
         )
 
 
+def check_segments(traj: Trajectory, name: str) -> None:
+    """`metadata["segment_starts"]` (token positions where the context restarts) must be increasing
+    positions in (0, T), each the start of a prompt turn: no generated token is predicted across one."""
+    starts = traj.metadata.get("segment_starts") or []
+    prompts = {s.start for s in traj.turns if s.role == "prompt"}
+    ok = all(isinstance(b, int) and 0 < b < traj.n_tokens and b in prompts for b in starts)
+    if not ok or sorted(set(starts)) != list(starts):
+        raise ValueError(
+            f"{name}: metadata['segment_starts'] = {starts!r} must be increasing token positions inside the "
+            "trajectory, each the start of a 'prompt' turn (where the agent's new context begins)"
+        )
+
+
 def check_trajectory(traj: Trajectory, index: int, facts: ModelFacts, need_routing: bool) -> None:
     """Raise ValueError naming `traj` when the learner cannot train on it (see the module docstring)."""
     check_tokenizer(traj, index, facts)
     name = describe(traj, index)
     T = traj.n_tokens
+    check_segments(traj, name)
     if T and (int(traj.tokens.max()) >= facts.vocab_size or int(traj.tokens.min()) < 0):
         raise ValueError(
             f"{name}: token ids span [{int(traj.tokens.min())}, {int(traj.tokens.max())}] but the model's "
@@ -194,6 +211,7 @@ def to_sample(traj: Trajectory, index: int, group: object = None, patch_size: in
         rollout_logp=traj.rollout_logprobs[scored + 1].astype(np.float32),
         replay=replay,
         images=decode_images(traj, index, patch_size) if traj.image_spans else [],
+        segment_starts=np.asarray(traj.metadata.get("segment_starts") or [], dtype=np.int64),
     )
 
 

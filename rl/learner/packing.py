@@ -53,7 +53,8 @@ def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 class MicroBatch:
     """N trajectories packed for one forward. L = total input tokens, M = scored tokens.
 
-    input_ids int64 [L]; cu_seqlens int32 [N+1]; replay int64 [L, n_moe, k] or None;
+    input_ids int64 [L]; cu_seqlens int32 [N'+1]: the sequence boundaries, the N samples' and the segment
+    starts inside them (N' >= N); replay int64 [L, n_moe, k] or None;
     scored_pos int64 [M]: positions in [0, L) whose next token is scored; targets int64 [M]: those tokens;
     seq int64 [M]: which of the N sequences each scored token belongs to; seq_tokens int64 [N]: scored tokens
     per sequence; data: per-scored-token float64 tensors [M] named like the sample fields they come from;
@@ -83,7 +84,8 @@ def collate(samples: Sequence, fields: Sequence[str] = (), with_replay: bool = F
             ) -> MicroBatch:
     """Concatenate `samples` (objects with input_ids [L_i], scored [m_i], targets [m_i], replay
     [L_i, n_moe, k] | None, the per-scored-token arrays named in `fields`, and optionally images: a list of
-    (start, pixels [3, h·p, w·p])) into one MicroBatch. patch_size: the model's p (needed with images)."""
+    (start, pixels [3, h·p, w·p]), and segment_starts: inputs where a sample's context restarts) into one
+    MicroBatch. patch_size: the model's p (needed with images)."""
     lens = [len(s.input_ids) for s in samples]
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     m = [len(s.scored) for s in samples]
@@ -103,9 +105,11 @@ def collate(samples: Sequence, fields: Sequence[str] = (), with_replay: bool = F
     replay = None
     if with_replay:
         replay = torch.from_numpy(np.concatenate([s.replay for s in samples]).astype(np.int64))
+    inner = [int(o) + b for s, o in zip(samples, offsets) for b in getattr(s, "segment_starts", ())]
+    cu = np.union1d(offsets, np.asarray(inner, dtype=np.int64)) if inner else offsets
     return MicroBatch(
         input_ids=torch.from_numpy(np.concatenate([s.input_ids for s in samples]).astype(np.int64)),
-        cu_seqlens=torch.from_numpy(offsets.astype(np.int32)),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
         replay=replay,
         scored_pos=torch.from_numpy(np.concatenate([s.scored + o for s, o in zip(samples, offsets)])),
         targets=torch.from_numpy(np.concatenate([s.targets for s in samples]).astype(np.int64)),

@@ -12,9 +12,9 @@ Who failed: an agent that raises or hangs failed its task (outcome 0, `metadata[
 policy writes what the agent reads, so it could crash it on purpose); the engine failing, or the env's
 own code (task generation, the verifier), is an infrastructure error (`infra_error`, not scored).
 
-Segments: the trajectory is the last segment (the context the agent finished in). When the agent rewrote
-its history, the earlier segments are counted in `metadata` (`n_segments`, `earlier_segment_tokens`,
-`context_replaced_at`) but not trained: the learner takes one sequence per sample.
+Segments: when the agent rewrote its history, the trajectory holds every segment one after another and
+`metadata["segment_starts"]` says where each later one begins (`context_replaced_at`: at which request);
+the learner restarts the context at each start, so every segment is trained as it was sampled.
 """
 
 from __future__ import annotations
@@ -106,11 +106,9 @@ async def run_agent_episode(
     if infra is not None:
         meta["infra_source"] = source
     meta["wall_s"] = round(time.perf_counter() - t0, 4)
-    segments = rec.trajectories(outcome, meta)
-    if not segments:  # no turn was generated (the agent never called, or failed first)
+    traj = rec.episode_trajectory(outcome, meta)
+    if traj is None:  # no turn was generated (the agent never called, or failed first)
         return _empty(infra, outcome, rec, meta)
-    traj = segments[-1]
-    traj.metadata["earlier_segment_tokens"] = [len(s.tokens) for s in segments[:-1]]
     return traj
 
 

@@ -38,7 +38,7 @@ from envs.tool_call import ToolCall, format_tool_call, parse_tool_calls, without
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, _Builder, _split_routing
 from rl.rollout.engine import GenerationRequest, InferenceEngine, Session
 from rl.rollout.sampling import SamplingParams
-from rl.trajectory import StepInfo, Trajectory
+from rl.trajectory import StepInfo, Trajectory, TurnSpan
 
 
 class RequestError(ValueError):
@@ -343,6 +343,45 @@ class EpisodeRecorder:
                 seg.session = None
 
     # ------------------------------------------------------------------ the record
+    def episode_trajectory(self, outcome: float | None, metadata: dict[str, Any]) -> Trajectory | None:
+        """The whole episode as one Trajectory (None when no turn was generated): the segments one after
+        another, `metadata["segment_starts"]` the token positions where segments 2.. begin (their prompt
+        turns). The learner restarts the context there (rl/learner/packing.py), so each segment is trained
+        exactly as it was sampled, and the episode's advantage reaches every segment."""
+        segs = self.trajectories(outcome, metadata)
+        if not segs:
+            return None
+        starts = np.cumsum([0] + [len(t.tokens) for t in segs])
+        turns = [
+            TurnSpan(s.role, s.start + int(o), s.end + int(o)) for t, o in zip(segs, starts) for s in t.turns
+        ]
+        routed = [t.routed_experts for t in segs]
+        last = segs[-1]
+        meta = {
+            **last.metadata,
+            "messages": [m for t in segs for m in t.metadata["messages"]],
+            "n_prompt_messages": segs[0].metadata["n_prompt_messages"],
+            "segment_starts": [int(o) for o in starts[1:-1]],
+            "context_replaced_at": [t.metadata["context_replaced_at"] for t in segs[1:]],
+            "finish_reasons": [r for t in segs for r in t.metadata["finish_reasons"]],
+            "n_turns": sum(t.metadata["n_turns"] for t in segs),
+        }
+        meta.pop("segment", None)
+        return Trajectory(
+            tokens=np.concatenate([t.tokens for t in segs]),
+            loss_mask=np.concatenate([t.loss_mask for t in segs]),
+            rollout_logprobs=np.concatenate([t.rollout_logprobs for t in segs]),
+            routed_experts=None if any(r is None for r in routed) else np.concatenate(routed),
+            turns=turns,
+            step_infos=[i for t in segs for i in t.step_infos],
+            outcome=last.outcome,
+            terminated=last.terminated,
+            truncated=last.truncated,
+            infra_error=last.infra_error,
+            metadata=meta,
+            token_versions=np.concatenate([t.token_versions for t in segs]),
+        )
+
     def trajectories(self, outcome: float | None, metadata: dict[str, Any]) -> list[Trajectory]:
         """One Trajectory per segment (in order), each with the episode's outcome and infra error."""
         out = []
