@@ -155,11 +155,21 @@ def _template_message(item: tuple) -> dict:
     return {"role": role, "content": text}
 
 
+def _serialisable(arguments: dict[str, Any]) -> bool:
+    """Can the call's arguments travel as OpenAI's JSON text? (Not when nested near the recursion limit:
+    such a block stays in the message content, as text the model wrote.)"""
+    try:
+        json.dumps(arguments)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def _split_turn(text: str) -> tuple[str | None, list[tuple[str, dict[str, Any]]]]:
     """(content, tool calls) of a model turn: well-formed blocks become calls, the rest stays content."""
     calls, content = [], text
     for item in parse_tool_calls(text):
-        if isinstance(item, ToolCall):
+        if isinstance(item, ToolCall) and _serialisable(item.arguments):
             calls.append((item.name, item.arguments))
             content = content.replace(f"<tool_call>{item.raw}</tool_call>", "", 1)
     content = content.strip() if calls else content
