@@ -238,7 +238,6 @@ def test_bad_requests_get_clear_http_errors_and_never_wedge_the_server(model, co
             (b"{not json", 400, "invalid_json"),
             ([1, 2], 400, "invalid_request"),
             ({**ok, "model": "gpt-4o"}, 404, "model_not_found"),
-            ({**ok, "stream": True}, 400, "unsupported"),
             ({**ok, "n": 3}, 400, "unsupported"),
             ({"model": "policy"}, 400, "invalid_request"),
             ({"model": "policy", "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request"),
@@ -383,6 +382,51 @@ def test_hostile_model_text_never_breaks_the_endpoint_or_escapes_scoring(model, 
     assert json.loads(seen[1].tool_calls[0].function.arguments)["expression"] == 10**400
     assert seen[2].tool_calls is None and seen[3].tool_calls is None
     _trainer_check(model, traj)
+
+
+def streaming_agent(client, task) -> str:
+    """The example agent's loop with stream=True, assembling each turn from the chunks (as OpenAI's docs
+    show), the tool calls included."""
+    from examples.openai_agent.agent import SYSTEM, TOOLS, calc
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["prompt"]}]
+    for _ in range(3):
+        content, calls = "", {}
+        stream = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=True)
+        for chunk in stream:
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for c in delta.tool_calls or []:
+                new = {"id": c.id, "type": "function", "function": {"name": "", "arguments": ""}}
+                calls.setdefault(c.index, new)
+                calls[c.index]["function"]["name"] += c.function.name or ""
+                calls[c.index]["function"]["arguments"] += c.function.arguments or ""
+        said = {"role": "assistant", "content": content or None}
+        if calls:
+            said["tool_calls"] = [calls[i] for i in sorted(calls)]
+        messages.append(said)
+        if not calls:
+            return content
+        for c in said["tool_calls"]:
+            out = calc(**json.loads(c["function"]["arguments"]))
+            messages.append({"role": "tool", "tool_call_id": c["id"], "content": out})
+    return ""
+
+
+def test_streaming_agent_gets_the_same_episode(model, codec):
+    """stream=True: the agent assembles the same turns from the chunks; the record equals the non-streaming
+    episode's, token for token."""
+    from examples.openai_agent.agent import solve
+
+    def play(agent):
+        engine = TeacherForcedEngine(TorchEngine(model), codec, scripted_turns)
+        return asyncio.run(_episode(engine, codec, agent))
+
+    plain, streamed = play(solve), play(streaming_agent)
+    assert streamed.infra_error is None
+    assert streamed.metadata["agent_result"] == plain.metadata["agent_result"] == "The answer is \\boxed{42}."
+    assert streamed.tokens.tolist() == plain.tokens.tolist() and streamed.metadata["requests"] == 2
+    _trainer_check(model, streamed)
 
 
 def test_agent_env_configuration_errors_name_the_fix():

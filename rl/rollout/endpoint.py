@@ -18,8 +18,11 @@ Each episode is reached only through its own key (the `Authorization: Bearer` he
 and a key names one episode: an agent can neither list nor read other episodes. Every answer carries
 the ids the policy produced (`choices[i].token_ids`) and the context's length (`usage.prompt_tokens`).
 
+With `stream: true` the turn is generated whole, then sent as server-sent events (one delta chunk and a
+closing chunk with the finish reason, then `[DONE]`), so streaming clients work unchanged.
+
 Errors are OpenAI-shaped JSON (`{"error": {"message", "type", "code"}}`): 400 for a request this server
-cannot serve as sent (malformed JSON, bad messages, `n` > 1, `stream`, a spent token budget:
+cannot serve as sent (malformed JSON, bad messages, `n` > 1, a spent token budget:
 `context_length_exceeded`), 401 for an unknown or closed episode, 404 for another model name, 413 for a
 body over 32 MiB, 500 when the engine failed (the episode is then marked as an infrastructure error).
 A client that disconnects mid-request does not stop the turn: it is generated and recorded, and the
@@ -131,10 +134,6 @@ class PolicyEndpoint:
                 404, f"model {str(model)[:100]!r} does not exist; this endpoint serves {self.model_name!r}",
                 "model_not_found",
             )  # fmt: skip
-        if body.get("stream"):
-            return _error(
-                400, "streaming is not supported by the policy endpoint: send stream=false", "unsupported"
-            )
         if body.get("n", 1) != 1:
             return _error(400, "n must be 1 (sample several episodes instead)", "unsupported")
         return body
@@ -164,7 +163,10 @@ class PolicyEndpoint:
         except EngineFailure as err:
             return _error(500, f"the policy engine failed: {err}", "engine_error", "server_error")
         make = _chat_response if kind == "chat" else _completion_response
-        return web.json_response(make(turn, self.model_name, rec.turns))
+        reply = make(turn, self.model_name, rec.turns)
+        if body.get("stream"):
+            return await _stream(request, reply, kind)
+        return web.json_response(reply)
 
     async def _chat(self, request: web.Request) -> web.Response:
         return await self._serve(request, "chat")
@@ -179,6 +181,35 @@ class PolicyEndpoint:
         return web.json_response(
             {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "odyssey"}]}
         )
+
+
+async def _stream(request: web.Request, reply: dict[str, Any], kind: str) -> web.StreamResponse:
+    """`reply` as server-sent events, the way OpenAI streams: the turn is generated whole first, then sent
+    as one content (and tool-call) delta and a closing chunk with the finish reason, then `[DONE]`."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    choice = reply["choices"][0]
+    head = {k: reply[k] for k in ("id", "created", "model")}
+    if kind == "chat":
+        msg = choice["message"]
+        delta: dict[str, Any] = {"role": "assistant", "content": msg["content"]}
+        if "tool_calls" in msg:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]
+        chunks = [{"index": 0, "delta": delta, "finish_reason": None, "token_ids": choice["token_ids"]},
+                  {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]  # fmt: skip
+        obj = "chat.completion.chunk"
+    else:
+        first = {"index": 0, "text": choice["text"], "finish_reason": None, "token_ids": choice["token_ids"]}
+        chunks = [first, {"index": 0, "text": "", "finish_reason": choice["finish_reason"]}]
+        obj = "text_completion"
+    for i, c in enumerate(chunks):
+        event = {**head, "object": obj, "choices": [c]}
+        if i == len(chunks) - 1:
+            event["usage"] = reply["usage"]
+        await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 def _usage(turn: TurnResult) -> dict[str, int]:
