@@ -1,10 +1,11 @@
 """Image tokens vs text tokens through the rollout prefill and the learner, and the memory of an episode with
 N images -> bench/results/vision.json.
 
-Same model, same run, same token counts: each image row has a text twin whose prompts hold exactly as many
-tokens, all text (random ids), so a ratio isolates what images cost (the patch embedding, their ImagePatches
-through packing and chunked prefill). Rows, per preset (tiny: patch 8, 64x64 -> 74 tokens an image;
-small: patch 16, 256x256 -> 274):
+Same model, same run, same token counts (the 1-minute load average before and after each preset is
+recorded: on a shared 2-core machine the ratios move with it): each image row has a text twin whose
+prompts hold exactly as many tokens, all text (random ids), so a ratio isolates what images cost (the patch
+embedding, their ImagePatches through packing and chunked prefill). Rows, per preset (tiny: patch 8,
+64x64 -> 74 tokens an image; small: patch 16, 256x256 -> 274):
 
 - prefill: TorchEngine, a batch of prompts with N images each (plus a line of text around each), one new
   token; prompt tokens/s, image vs text twin (median of --reps);
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -191,21 +193,27 @@ def main() -> None:
         print(json.dumps(memory_child(preset, int(n), kind == "text")))
         return
     t0 = time.perf_counter()
-    results: dict = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
-                                 "threads": args.threads, "cpu": platform.processor() or platform.machine()}}
+    # presets not measured in this run keep their rows from the last one (each with its own machine load)
+    results: dict = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    results["machine"] = {"python": platform.python_version(), "torch": torch.__version__,
+                          "threads": args.threads, "cpu": platform.processor() or platform.machine()}
     for preset in args.presets.split(","):
         model = build(preset)
         learner_row(model, 1, 1, 1)  # warm-up (kernel loading, first calls)
         prefill_row(model, 1, 1, 1)
         cfg = model.config
+        load_before = os.getloadavg()[0]
         results[preset] = {
+            "load_avg_1min_before": load_before,
             "patch_size": cfg.vision_patch_size,
             "max_pixels": cfg.vision_max_pixels,
             "prefill": [prefill_row(model, n, 4, args.reps) for n in (1, 4)],
             "learner": [learner_row(model, n, 4, args.reps) for n in (1, 4)],
             "memory": memory_rows(preset, (1, 4, 16), args.threads),
         }
-        print(f"{preset}: patch {cfg.vision_patch_size}, max pixels {cfg.vision_max_pixels}")
+        results[preset]["load_avg_1min_after"] = os.getloadavg()[0]
+        print(f"{preset}: patch {cfg.vision_patch_size}, max pixels {cfg.vision_max_pixels}, load average "
+              f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         for kind in ("prefill", "learner"):
             for r in results[preset][kind]:
                 n = r.get("images_per_prompt", r.get("images_per_sequence"))
