@@ -65,13 +65,46 @@ class ImageLimits:
     timeout_s: float = IMAGE_TIMEOUT_S
 
 
+#: Pillow modes a tool image may have: model.image.ALLOWED_MODES (equal, tests/test_hostile.py), repeated here
+#: so the decoding child imports Pillow only (model.image imports torch: seconds per fresh child)
+ALLOWED_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA")
+
+
+class ToolImageError(ValueError):
+    """A tool image that cannot be shown; the message (for the model) names the problem."""
+
+
 def sanitize_image(data: bytes, max_pixels: int) -> tuple[bytes, int, int]:
     """Decode untrusted image bytes with limits and re-encode them: -> (RGB PNG bytes, width, height).
 
-    Runs in the child process. Raises model.image.ImageError naming the problem."""
-    from model.image import _open, _to_rgb
+    The pixel count comes from the header and is checked before any pixel is decoded; the mode must be in
+    ALLOWED_MODES; alpha is composited over white (as model.image.prepare_image does). Runs in the child
+    process (Pillow only). Raises ToolImageError naming the problem."""
+    from PIL import Image, UnidentifiedImageError
 
-    img = _to_rgb(_open(data, max_pixels))
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise ToolImageError("image bytes are not a format Pillow can decode (send PNG or JPEG)") from None
+    except Exception as e:  # noqa: BLE001 - any decoder failure is a bad image, named
+        raise ToolImageError(f"image bytes could not be read: {type(e).__name__}: {e}") from None
+    w, h = img.size
+    if w * h > max_pixels:
+        raise ToolImageError(f"image is {w}x{h} = {w * h} pixels, more than the {max_pixels} allowed; "
+                             "send a smaller image")
+    if img.mode not in ALLOWED_MODES:
+        raise ToolImageError(f"image mode {img.mode!r} is not supported; convert it to RGB (allowed: "
+                             f"{', '.join(ALLOWED_MODES)})")
+    try:
+        img.load()
+    except Exception as e:  # noqa: BLE001 - truncated / corrupt data
+        raise ToolImageError(f"image data is corrupt or truncated: {type(e).__name__}: {e}") from None
+    if img.mode in ("P", "PA"):
+        img = img.convert("RGBA")
+    if img.mode in ("LA", "RGBA"):
+        background = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(background, img.convert("RGBA"))
+    img = img.convert("RGB")
     buf = io.BytesIO()
     img.save(buf, format="PNG", optimize=False)
     return buf.getvalue(), img.size[0], img.size[1]
@@ -79,14 +112,12 @@ def sanitize_image(data: bytes, max_pixels: int) -> tuple[bytes, int, int]:
 
 async def check_image(data: bytes, limits: ImageLimits) -> tuple[bytes, int, int]:
     """`sanitize_image` in a killable child with `limits`; raises ValueError with the reason for the model."""
-    from model.image import ImageError
-
     if len(data) > limits.max_bytes:
         raise ValueError(f"{len(data)} bytes, more than the {limits.max_bytes} allowed; send a smaller image")
     try:
         value, timed_out = await call_in_child(sanitize_image, data, limits.max_pixels,
                                                timeout_s=limits.timeout_s)
-    except ImageError as e:
+    except ToolImageError as e:
         raise ValueError(str(e)) from None
     except ChildProcessDied as e:
         raise ValueError(f"the image decoder crashed ({e}); send a plain PNG") from None
