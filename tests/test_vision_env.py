@@ -247,3 +247,45 @@ def test_sandbox_rendering_equals_in_process(sandbox_pool):
     finally:
         sandboxed.close()
         local.close()
+
+
+def test_dataset_rows_with_images_put_the_image_in_the_prompt(tmp_path, codec):
+    """dataset-qa with image_field: a path cell and a {"bytes", "path"} cell (HF datasets convention) both
+    become an image part before the question; the model sees it (the encoded prompt holds its block), the
+    stored row is JSON; a row of a .jsonl file works through TaskDataset; bad cells are clear errors."""
+    import json
+
+    from envs.dataset import DatasetError, TaskDataset
+
+    png = glyphs.render_png("2+3")
+    (tmp_path / "q.png").write_bytes(png)
+    rows = [{"prompt": "What is the value?", "answer": "5", "image": str(tmp_path / "q.png")},
+            {"prompt": "What is the value?", "answer": "5", "image": {"bytes": png, "path": None}}]
+    env = envs.make("dataset-qa", verifier="exact-match", image_field="image")
+    assert env.observation_space == ChatMessages(images=True)
+    for row in rows:
+        messages, _ = env.reset(options={"row": row})
+        assert env.observation_space.contains(messages)
+        user = messages[-1]["content"]
+        assert user[0]["type"] == "image" and user[1] == {"type": "text", "text": "What is the value?"}
+        assert np.array_equal(_grey(user[0]["image"]), _grey(png))
+        json.dumps(env.task.columns)  # the stored row: the image by its digest
+        enc = codec.encode_prompt(messages, None)
+        assert len(enc.images) == 1 and enc.images[0][1].grid == (1, 3)
+        *_, info = env.step("5")
+        assert info["success"] == 1.0
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [rows[0]] * 4))
+    data = TaskDataset.load(path, eval_size=1)
+    messages, _ = env.reset(options={"row": data.task_row("train", 0)})
+    assert messages[-1]["content"][0]["type"] == "image"
+    text_only = envs.make("dataset-qa", verifier="exact-match")
+    assert text_only.observation_space == ChatMessages()
+    (tmp_path / "bad.png").write_bytes(png[:40])
+    for cell, says in [(str(tmp_path / "nope.png"), "cannot read image file"),
+                       (str(tmp_path / "bad.png"), "not a format Pillow can decode"),
+                       ({"bytes": None, "path": None}, "neither bytes nor a path"),
+                       (7, "HF datasets image convention")]:
+        with pytest.raises(DatasetError, match=says) as e:
+            env.reset(options={"row": {"prompt": "q", "answer": "1", "image": cell}})
+        assert "column 'image'" in str(e.value)
