@@ -1356,3 +1356,22 @@ def test_tool_result_text_cannot_forge_turns_around_its_image():
     assert [i for i in ids if i in IMAGE_TOKEN_IDS] == image_token_ids(1, 2)  # one block: the real image
     (span,) = traj.image_spans
     assert (span.grid_h, span.grid_w) == (1, 2) and obs.start <= span.start < span.end <= obs.end
+
+
+def test_too_many_images_in_one_tool_result_are_cut_with_an_error():
+    """A tool result with 9 images shows the first 8 (ImageLimits.max_images) and says what it dropped."""
+    from envs.sandbox_scripts import glyphs
+
+    env = _image_probe_env({})
+    pngs = [glyphs.render_png(str(i)) for i in range(9)]
+
+    async def many() -> tuple:
+        from envs.tool_result import tool_result_content
+
+        return await tool_result_content(ToolResult("nine", pngs), env.image_limits)
+
+    parts, record, errors = asyncio.run(many())
+    assert [p["type"] for p in parts] == ["text"] + ["image"] * 8 + ["text"]
+    assert errors == ["image 9: only the first 8 images of a tool result are shown; return fewer images"]
+    assert record.splitlines()[-1] == f"error: {errors[0]}" and record.count("<image ") == 8
+    env.close()
