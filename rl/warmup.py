@@ -13,6 +13,10 @@ agent loop (rl/rollout/agent_loop.py) produces when the policy plays those actio
         obs  = env.step(a)                        (the real env, really stepped)
         ids += encode_continuation(obs, generation prompt)                            mask 0
 
+Images (a vision env such as vision-arith): the codec has the model's vision settings (`vision_codec`), each
+transcript keeps (offset of <|image_start|>, pixels) per image of its prompt and observations, and the
+packed batch feeds them to the forward as `ImagePatches` (the shared prefix ends before the first image).
+
 The env is built as a rollout worker builds it (`tools_in_prompt=False`, `max_turns=rollout.max_turns`),
 except that an env whose constructor takes `use_sandbox` runs its tools in-process (`use_sandbox=False`):
 arith's calculator prints the same text either way, so the transcripts equal a sandboxed rollout's and
