@@ -26,6 +26,7 @@ _LAZY = {
     "register": "envs.registry",
     "unregister": "envs.registry",
     "ToolError": "envs.tools",
+    "ToolResult": "envs.tool_result",
     "tool": "envs.tools",
     "StepInfo": "envs.trajectory",
     "Trajectory": "envs.trajectory",

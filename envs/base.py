@@ -20,10 +20,18 @@ escaped) and every observation is free of lone surrogates, so no turn can make t
 tokenizer after it) fail. Only the env's own code, the sandbox or the engine can cause an infra error.
 A turn without any tool call gets `on_no_tool_call(text)` (default: a user nudge restating the format).
 
+Images. A tool may return `envs.tool_result.ToolResult(text, images=[png_bytes, ...])` in an env with
+`observes_images = True`: its tool message content is then a list of parts `[{"type": "text", "text"},
+{"type": "image", "image": png}, ...]`. Each image is decoded with limits in a killable child process and
+re-encoded; a bad one (corrupt, truncated, a bomb, too many pixels, an unknown mode, a decoder that hangs
+or crashes) becomes an `error: image i: ...` text part and a tool error, never an exception (the episode
+goes on and is scored).
+
 Step info (every step; built as an `envs.trajectory.StepInfo`, returned as its dict per gymnasium, and
 stored as the `step_infos` of `envs.trajectory.Trajectory`):
     tool_calls   list[{"name", "arguments"}]  every call whose JSON parsed (valid or not)
     tool_results list[str]  one per tool_calls entry, same order: the tool's output, or its error text
+                            (a `ToolResult`'s text plus one `<image i: WxH sha256 ...>` line per image)
     tool_errors  list[str]  every problem this turn (parse errors included), without the "error: " prefix
     subgoals     list[str]  sub-goals first achieved at this step (`self.achieve(name)`)
     env_reward   float      the reward returned by step (the success score at termination, else 0.0)
@@ -61,6 +69,7 @@ import gymnasium
 from envs.dataset import DatasetRow, TaskDataset, as_row
 from envs.spaces import ChatMessages, ChatText
 from envs.tool_call import EXPECTED_FORMAT, ToolCallError, echo, parse_tool_calls, without_surrogates
+from envs.tool_result import ImageLimits, ToolResult, tool_result_content
 from envs.tools import ToolArgumentError, ToolDefinitionError, ToolError, ToolSpec
 from envs.trajectory import StepInfo
 from sandbox.errors import SandboxError
@@ -95,6 +104,10 @@ class ToolEnv(gymnasium.Env):
     max_tool_calls_per_turn: ClassVar[int] = 32  # calls beyond this in one turn are not run (one error)
     rows_only: ClassVar[bool] = False  # tasks come only from dataset rows (env.dataset is required)
     instructions: ClassVar[str] = "You solve the task by calling tools."
+    #: tool messages may hold image parts (a tool returns `envs.tool_result.ToolResult`); the observation
+    #: space says so (`ChatMessages(images=True)`)
+    observes_images: ClassVar[bool] = False
+    image_limits: ClassVar[ImageLimits] = ImageLimits()  # checks on every tool image (envs/tool_result.py)
     #: filled by __init_subclass__: tool name -> spec, in declaration order (base classes first)
     _tool_specs: ClassVar[dict[str, ToolSpec]] = {}
 
@@ -129,7 +142,7 @@ class ToolEnv(gymnasium.Env):
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         for spec in self._tool_specs.values():
             spec.params  # noqa: B018  builds each tool's JSON schema now: a docstring problem fails here
-        self.observation_space = ChatMessages()
+        self.observation_space = ChatMessages(images=self.observes_images)
         self.action_space = ChatText()
         self.tools_in_prompt = tools_in_prompt
         self.task: Any = None
@@ -393,6 +406,16 @@ class ToolEnv(gymnasium.Env):
                     error(str(err), True)
                 else:
                     error(f"tool '{spec.name}' raised {type(err).__name__}: {err}", True)
+                continue
+            if isinstance(result, ToolResult):  # images: checked in a killable child (envs/tool_result.py)
+                if not self.observes_images:
+                    error(f"tool '{spec.name}' returned images but env {self.env_id!r} does not observe "
+                          "images; set observes_images = True on the env class", True)
+                    continue
+                content, record, image_errors = await tool_result_content(result, self.image_limits)
+                info.tool_errors.extend(image_errors)
+                info.tool_results.append(record)
+                obs.append({"role": "tool", "content": content})
                 continue
             content = without_surrogates("" if result is None else str(result))
             info.tool_results.append(content)

@@ -16,18 +16,58 @@ turn's text against the ground truth, and that score is the episode's outcome (`
   until the verifier scores 1.0 or the last of `rollout.max_turns` tries is scored (its score is the
   outcome).
 
+Images (`image_field: <column>`): the column holds the row's image in the HF datasets convention, a path
+string or a mapping {"bytes": encoded bytes | None, "path": str | None} (bytes win; a relative path is
+read from the working directory). The user message becomes [image part, text part]. The image is checked
+when the task is built (`envs.tool_result.sanitize_image`: at most `MAX_IMAGE_BYTES`, the pixel limit read
+from the header, an allowed mode, fully decodable) and re-encoded as an RGB PNG; a bad one is a
+DatasetError naming the row, the column and the problem. A row without a value there is a text-only task.
+
 A verifier past `verifier_timeout_s` scores the answer 0.0 (`info["verifier_timed_out"]`); a verifier
 that raises is the env's own failure (an infra error: not scored).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.dataset import DatasetRow, TaskDataset
+from envs.dataset import DatasetError, DatasetRow, TaskDataset
+from envs.spaces import ChatMessages
 from envs.text_env import TextEnv, TextReply
 from envs.verifiers import DEFAULT_TIMEOUT_S, make_verifier
+
+
+def row_image(value: Any, where: str) -> bytes:
+    """The checked RGB PNG of an image cell in the HF datasets convention (a path, or {"bytes", "path"})."""
+    from envs.tool_result import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ToolImageError, sanitize_image
+
+    data, path = None, None
+    if isinstance(value, str):
+        path = value
+    elif isinstance(value, dict) and ("bytes" in value or "path" in value):
+        data, path = value.get("bytes"), value.get("path")
+    else:
+        raise DatasetError(f"{where}: an image must be a path or {{'bytes': ..., 'path': ...}} (the HF "
+                           f"datasets image convention), got {type(value).__name__}")
+    if data is None:
+        if not isinstance(path, str) or not path:
+            raise DatasetError(f"{where}: the image has neither bytes nor a path")
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_IMAGE_BYTES + 1)
+        except OSError as e:
+            raise DatasetError(f"{where}: cannot read image file {path!r}: {e}") from None
+    if not isinstance(data, (bytes, bytearray)):
+        raise DatasetError(f"{where}: image bytes must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise DatasetError(f"{where}: the image is larger than {MAX_IMAGE_BYTES} bytes")
+    try:
+        return sanitize_image(bytes(data), MAX_IMAGE_PIXELS)[0]
+    except ToolImageError as e:
+        raise DatasetError(f"{where}: {e}") from None
+
 
 DEFAULT_INSTRUCTIONS = "Solve the problem. Put your final answer within \\boxed{}."
 DEFAULT_FEEDBACK = "That is not correct. Try again."
@@ -38,7 +78,7 @@ class QATask:
     """One row's question. prompt: a string or chat messages; answer: the ground truth; columns: the row."""
 
     task_id: str
-    prompt: str | list[dict[str, str]]
+    prompt: str | list[dict[str, Any]]
     answer: Any
     columns: dict[str, Any] = field(hash=False, compare=False)
 
@@ -46,7 +86,8 @@ class QATask:
 class DatasetQAEnv(TextEnv):
     """Rows of `env.dataset` as questions. Args: verifier ("math-verify" | "exact-match" | "pkg.module:fn"),
     multi_turn (retry with feedback until correct or max_turns), instructions (the system message),
-    feedback (the user message after a wrong answer, multi turn), verifier_timeout_s, and the ToolEnv
+    feedback (the user message after a wrong answer, multi turn), verifier_timeout_s, image_field (the
+    column holding each row's image, see the module docstring; None: text only), and the ToolEnv
     arguments (max_turns, sandbox_pool, tools_in_prompt)."""
 
     env_id = "dataset-qa"
@@ -60,6 +101,7 @@ class DatasetQAEnv(TextEnv):
         instructions: str = DEFAULT_INSTRUCTIONS,
         feedback: str = DEFAULT_FEEDBACK,
         verifier_timeout_s: float = DEFAULT_TIMEOUT_S,
+        image_field: str | None = None,
         *,
         max_turns: int | None = None,
         sandbox_pool: Any | None = None,
@@ -72,6 +114,9 @@ class DatasetQAEnv(TextEnv):
         self.multi_turn = bool(multi_turn)
         self.instructions = str(instructions)
         self.feedback = str(feedback)
+        self.image_field = image_field
+        if image_field is not None:
+            self.observation_space = ChatMessages(images=True)
 
     @classmethod
     def dataset_problems(cls, data: TaskDataset | None) -> list[str]:
@@ -94,7 +139,19 @@ class DatasetQAEnv(TextEnv):
         )
 
     def task_from_row(self, row: DatasetRow) -> QATask:
-        return QATask(f"row-{row.index}", row.prompt, row.require_answer("dataset-qa"), row.columns)
+        answer = row.require_answer("dataset-qa")
+        value = row.columns.get(self.image_field) if self.image_field is not None else None
+        if value is None:
+            return QATask(f"row-{row.index}", row.prompt, answer, row.columns)
+        png = row_image(value, f"dataset row {row.index}, column {self.image_field!r}")
+        messages = row.messages()
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not users:
+            raise DatasetError(f"dataset row {row.index}: the prompt has no user message to put the image in")
+        m = messages[users[0]]
+        m["content"] = [{"type": "image", "image": png}, {"type": "text", "text": m["content"]}]
+        columns = {**row.columns, self.image_field: {"sha256": hashlib.sha256(png).hexdigest()}}
+        return QATask(f"row-{row.index}", messages, answer, columns)
 
     async def respond(self, text: str) -> TextReply:
         result = await self.verifier.averify(text, self.task.answer, self.task.columns)

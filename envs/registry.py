@@ -51,6 +51,7 @@ BUILTINS: dict[str, str] = {
     "arith": "envs.arith:ArithEnv",
     "code-repair": "envs.code_repair:CodeRepairEnv",
     "long-docs": "envs.long_docs:LongDocsEnv",
+    "vision-arith": "envs.vision_arith:VisionArithEnv",
     "dataset-qa": "envs.dataset_qa:DatasetQAEnv",
     "agent": "envs.agent_env:AgentEnv",
 }

@@ -27,13 +27,43 @@ class _TextSpace(Space):
         return type(other) is type(self)
 
 
+def _is_part(p: Any) -> bool:
+    """A content part: {"type": "text", "text": str} or {"type": "image", "image": bytes | PreparedImage}."""
+    if not isinstance(p, dict):
+        return False
+    if p.get("type") == "text":
+        return isinstance(p.get("text"), str)
+    if p.get("type") == "image":
+        from model.image import PreparedImage
+
+        return isinstance(p.get("image"), (bytes, PreparedImage))
+    return False
+
+
 class ChatMessages(_TextSpace):
-    """A list of chat messages `{"role": one of ROLES, "content": str}` (extra keys allowed)."""
+    """A list of chat messages `{"role": one of ROLES, "content": str}` (extra keys allowed). With
+    `images=True` a content may also be a list of parts: `{"type": "text", "text": str}` and
+    `{"type": "image", "image": bytes (encoded) | model.image.PreparedImage}` (envs/tool_result.py)."""
+
+    def __init__(self, images: bool = False, seed: int | np.random.Generator | None = None) -> None:
+        super().__init__(seed=seed)
+        self.images = bool(images)
+
+    def _content_ok(self, c: Any) -> bool:
+        if isinstance(c, str):
+            return True
+        return self.images and isinstance(c, list) and all(_is_part(p) for p in c)
 
     def contains(self, x: Any) -> bool:
         return isinstance(x, list) and all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in x
+            isinstance(m, dict) and m.get("role") in ROLES and self._content_ok(m.get("content")) for m in x
         )
+
+    def __repr__(self) -> str:
+        return f"ChatMessages(images={self.images})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.images == self.images
 
     def sample(self, mask: Any = None, probability: Any = None) -> list[dict[str, str]]:
         n = int(self.np_random.integers(1, 3))

@@ -13,6 +13,10 @@ agent loop (rl/rollout/agent_loop.py) produces when the policy plays those actio
         obs  = env.step(a)                        (the real env, really stepped)
         ids += encode_continuation(obs, generation prompt)                            mask 0
 
+Images (a vision env such as vision-arith): the codec has the model's vision settings (`vision_codec`), each
+transcript keeps (offset of <|image_start|>, pixels) per image of its prompt and observations, and the
+packed batch feeds them to the forward as `ImagePatches` (the shared prefix ends before the first image).
+
 The env is built as a rollout worker builds it (`tools_in_prompt=False`, `max_turns=rollout.max_turns`),
 except that an env whose constructor takes `use_sandbox` runs its tools in-process (`use_sandbox=False`):
 arith's calculator prints the same text either way, so the transcripts equal a sandboxed rollout's and
@@ -102,7 +106,9 @@ class Transcript:
     """One oracle episode as the agent loop tokenises it.
 
     tokens int32 [T]; loss_mask uint8 [T]: 1 on assistant tokens (the oracle's turns and the END_OF_TURN
-    closing each, the last one included); task_id; n_turns: assistant turns; success: env's score.
+    closing each, the last one included); task_id; n_turns: assistant turns; success: env's score;
+    images: (index in tokens of the block's <|image_start|>, pixels uint8 [3, h·p, w·p]) per image in the
+    prompt or a tool observation, in order (prepared by the codec exactly as the agent loop prepares them).
     """
 
     tokens: np.ndarray
@@ -110,6 +116,15 @@ class Transcript:
     task_id: str
     n_turns: int
     success: float
+    images: tuple[tuple[int, torch.Tensor], ...] = ()
+
+
+def vision_codec(tokenizer: Any, model: Any) -> ChatCodec:
+    """The agent loop's codec with `model`'s vision settings (patch size 0: text-only), as a worker builds
+    it."""
+    c = model.config
+    return ChatCodec(tokenizer, int(getattr(c, "vision_patch_size", 0) or 0),
+                     int(getattr(c, "vision_max_pixels", 0) or 0))
 
 
 def make_warmup_env(env_id: str, env_kwargs: dict[str, Any]) -> Any:
@@ -142,7 +157,9 @@ def oracle_transcript(env: Any, codec: ChatCodec, seed: int) -> Transcript:
     try:
         messages, info = env.reset(seed=seed)
         actions = list(env.oracle_actions())
-        ids = codec.render_prompt(messages, env.tool_schemas())
+        enc = codec.encode_prompt(messages, env.tool_schemas())
+        ids = list(enc.ids)
+        images = [(int(o), im.pixels) for o, im in enc.images]
         mask = [0] * len(ids)
         success, n_turns = None, 0
         for action in actions:
@@ -154,7 +171,9 @@ def oracle_transcript(env: Any, codec: ChatCodec, seed: int) -> Transcript:
             if terminated or truncated:
                 success = step_info.get("success", reward if terminated else None)
                 break
-            obs_ids = codec.continuation(obs)
+            enc = codec.encode_observation(obs)
+            obs_ids = list(enc.ids)
+            images += [(len(ids) + int(o), im.pixels) for o, im in enc.images]
             ids += obs_ids
             mask += [0] * len(obs_ids)
     finally:
@@ -171,6 +190,7 @@ def oracle_transcript(env: Any, codec: ChatCodec, seed: int) -> Transcript:
         task_id=str(info.get("task_id")),
         n_turns=n_turns,
         success=float(success),
+        images=tuple(images),
     )
 
 
@@ -181,7 +201,8 @@ class PackedBatch:
     prefix int64 [P] (P >= 1; no assistant token in it or right after it), suffix int64 [S] (the B
     suffixes packed), cu_seqlens int32 [B+1] over `suffix`, score_pos int64 [M] (positions in the full
     per-transcript view, see `positions`), targets int64 [M]: the tokens predicted at those positions.
-    When P == 0 (share_prefix off) the suffixes are the whole transcripts.
+    When P == 0 (share_prefix off) the suffixes are the whole transcripts. images: the patches of every
+    transcript's images, token_index into `suffix` (None without images; the prefix never holds one).
     """
 
     prefix: torch.Tensor
@@ -189,6 +210,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor
     score_pos: torch.Tensor
     targets: torch.Tensor
+    images: Any = None
 
 
 def common_prefix_len(seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> int:
@@ -206,14 +228,21 @@ def common_prefix_len(seqs: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -
     return max(0, min(lcp, first_scored - 1))
 
 
-def pack_batch(transcripts: Sequence[Transcript], share_prefix: bool = True) -> PackedBatch:
+def pack_batch(
+    transcripts: Sequence[Transcript], share_prefix: bool = True, patch_size: int = 0
+) -> PackedBatch:
     """Pack transcripts for `sft_loss`: shared prefix (if any), packed suffixes, scored positions.
 
     In the suffix stream, suffix token j of transcript b sits at cu[b] + j; the hidden state there scores
-    the next token of the same transcript when that token is an assistant token."""
+    the next token of the same transcript when that token is an assistant token. The shared prefix ends
+    before the first image of any transcript (equal image tokens may stand for different pixels), and
+    images need the model's `patch_size`."""
     seqs = [t.tokens.astype(np.int64) for t in transcripts]
     masks = [t.loss_mask for t in transcripts]
     P = common_prefix_len(seqs, masks) if share_prefix and len(seqs) > 1 else 0
+    first_image = min((s for t in transcripts for s, _ in t.images), default=None)
+    if first_image is not None:
+        P = min(P, int(first_image))
     lens = [len(s) - P for s in seqs]
     cu = np.zeros(len(seqs) + 1, dtype=np.int64)
     cu[1:] = np.cumsum(lens)
@@ -222,12 +251,23 @@ def pack_batch(transcripts: Sequence[Transcript], share_prefix: bool = True) -> 
         t = np.nonzero(m[P + 1 :])[0]  # suffix positions j whose next token (P + j + 1) is scored
         pos.append(cu[b] + t)
         tgt.append(s[P + 1 + t])
+    images = None
+    if first_image is not None:
+        if patch_size < 1:
+            raise ValueError("transcripts hold images: pass the model's patch size (pack_batch(..., "
+                             "patch_size=config.vision_patch_size)); a text-only model cannot learn them")
+        from model.vision import ImagePatches
+
+        starts = [int(cu[b]) + s - P for b, t in enumerate(transcripts) for s, _ in t.images]
+        pixels = [px for t in transcripts for _, px in t.images]
+        images = ImagePatches.from_images(pixels, starts, patch_size)
     return PackedBatch(
         prefix=torch.from_numpy(seqs[0][:P].copy()),
         suffix=torch.from_numpy(np.concatenate([s[P:] for s in seqs])),
         cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
         score_pos=torch.from_numpy(np.concatenate(pos)),
         targets=torch.from_numpy(np.concatenate(tgt)),
+        images=images,
     )
 
 
@@ -248,7 +288,7 @@ def sft_loss(model: Any, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, fl
             cache = empty.advanced(layers, [batch.prefix.numel()])
         cache = cache.select([0] * (batch.cu_seqlens.numel() - 1))
     dev = next(model.parameters()).device
-    h, _, _, aux = backbone(batch.suffix.to(dev), batch.cu_seqlens.to(dev), cache, None, False)
+    h, _, _, aux = backbone(batch.suffix.to(dev), batch.cu_seqlens.to(dev), cache, None, False, batch.images)
     logits = model.lm_head(h[batch.score_pos.to(dev)]).float()  # [M, V]
     targets = batch.targets.to(dev)
     nll = F.cross_entropy(logits, targets)
@@ -343,10 +383,11 @@ def train(
 
     t0 = time.perf_counter()
     torch.manual_seed(cfg.learner.seed)
-    codec = ChatCodec(load_tokenizer())
     env_id, env_kwargs = _env_args(cfg)
     env = make_warmup_env(env_id, env_kwargs)
     model = build_model(cfg) if model is None else model.float().train()
+    codec = vision_codec(load_tokenizer(), model)
+    patch_size = int(getattr(model.config, "vision_patch_size", 0) or 0)
     vocab = model.config.vocab_size
     opt = torch.optim.AdamW(
         model.parameters(), lr=params.lr, betas=params.betas, weight_decay=params.weight_decay
@@ -368,7 +409,7 @@ def train(
             n_tr += 1
             if int(t.tokens.max()) >= vocab:
                 raise ValueError(f"token id {int(t.tokens.max())} >= model vocab_size {vocab}")
-        batch = pack_batch(batch_tr, params.share_prefix)
+        batch = pack_batch(batch_tr, params.share_prefix, patch_size)
         lr = sched.get_last_lr()[0]  # this step's
         loss, m = sft_loss(model, batch)
         opt.zero_grad(set_to_none=True)
@@ -426,7 +467,7 @@ def evaluate(
     from rl.rollout.engine import TorchEngine
     from rl.rollout.worker import WorkerSettings
 
-    codec = ChatCodec(load_tokenizer())
+    codec = vision_codec(load_tokenizer(), model)
     settings = WorkerSettings.from_config(cfg)
     env_id, env_kwargs = settings.env_id, settings.env_kwargs
     ep_cfg = dataclasses.replace(settings.episode, temperature=temperature)
