@@ -1,0 +1,266 @@
+"""Any Hugging Face causal LM as the policy: the packed interface the learner and TorchEngine use.
+
+    policy = HFPolicy.from_pretrained("ckpt/llama")                  # AutoModelForCausalLM inside
+    h = policy.packed_hidden(input_ids [T], cu_seqlens [N+1])         # [T, D], no cross-sequence attention
+    lp = policy.token_logprobs(input_ids [T], targets [T], cu_seqlens) # [T] fp32
+    cache = policy.empty_cache(2)                                    # TorchEngine: one KV row per sequence
+    logits, cache = policy.packed_logits(ids, cu_seqlens, cache)     # [T | len(logit_index), V] fp32
+
+Packing (the learner): the sequences of a micro-batch are concatenated into one row [1, T] with
+`position_ids` restarting at 0 at every `cu_seqlens` boundary and no attention mask. transformers reads the
+restarts as packed sequences: flash-attention kernels run varlen, sdpa / eager build a block-diagonal causal
+mask (`masking_utils.find_packed_sequence_indices`). No padding, per-sequence rotary positions, and a token
+never attends to another sequence (tested against a per-sequence loop).
+
+Decoding (TorchEngine): `HFPackedCache` keeps one row per sequence, each a tuple over layers of (K, V)
+[1, H_kv, L, D_h]. A forward never mutates the cache passed in; it returns a new one. A decode step (one new
+token per row) runs as one batched forward: the rows' K/V are right-padded to the longest, with a 2-D
+padding mask and each row's own position; any other shape (prefill chunks) runs row by row.
+
+Parameter names are the HF checkpoint's (`model.…`, `lm_head.weight`): the wrapper registers the HF model's
+two children under their own names, so `state_dict()` feeds vLLM's own model code and `save_pretrained`
+writes a checkpoint any HF tool reads.
+
+What does not apply (Odyssey's own model only): routing replay (R3) and expert-load metrics (an HF MoE's
+router is not recorded), sequence-chunked and context-parallel forwards, the balancing-bias update.
+`moe_layer_indices` is empty, so the learner and the engines treat the policy as dense for routing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ODYSSEY_MODEL_TYPE = "odyssey_moe"
+
+
+def is_odyssey_checkpoint(path: str | Path) -> bool:
+    """True when `path`/config.json was written by OdysseyForCausalLM (model_type 'odyssey_moe')."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return cfg.get("model_type") == ODYSSEY_MODEL_TYPE
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens int [N+1] -> position of each token within its sequence, int64 [cu_seqlens[-1]]."""
+    cu = cu_seqlens.to(torch.long)
+    lens = cu[1:] - cu[:-1]
+    T = int(cu[-1])
+    starts = torch.repeat_interleave(cu[:-1], lens, output_size=T)
+    return torch.arange(T, device=cu.device) - starts
+
+
+@dataclass(frozen=True)
+class HFPackedCache:
+    """KV cache of N sequences for TorchEngine. rows[i]: per layer (K, V) [1, H_kv, L_i, D_h], or None
+    for an empty row (L_i = 0). Immutable: `select` / `concat` share tensors, forwards return new caches."""
+
+    rows: tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...] | None, ...]
+
+    @classmethod
+    def empty(cls, n: int) -> HFPackedCache:
+        return cls((None,) * n)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [0 if r is None else int(r[0][0].shape[-2]) for r in self.rows]
+
+    def select(self, indices: list[int]) -> HFPackedCache:
+        return HFPackedCache(tuple(self.rows[i] for i in indices))
+
+    @classmethod
+    def concat(cls, caches: list[HFPackedCache]) -> HFPackedCache:
+        return cls(tuple(r for c in caches for r in c.rows))
+
+
+class HFPolicy(nn.Module):
+    """A transformers causal LM (`model` trunk + `lm_head`, e.g. Llama, Qwen2/3, Qwen3-MoE) with the packed
+    interface of OdysseyForCausalLM that the learner and TorchEngine need (module docstring)."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        names = {n for n, _ in hf.named_children()}
+        if getattr(hf, "base_model_prefix", None) != "model" or names != {"model", "lm_head"}:
+            raise ValueError(
+                f"HFPolicy needs a causal LM made of a `model` trunk and an `lm_head` (Llama, Qwen2/3, "
+                f"Mistral, Qwen3-MoE, ...); {type(hf).__name__} has children {sorted(names)} and base prefix "
+                f"{getattr(hf, 'base_model_prefix', None)!r}. Use a checkpoint of such an architecture"
+            )
+        cfg = hf.config
+        odd = {k: getattr(cfg, k) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+               if getattr(cfg, k, None) not in (None, 1, 1.0)}
+        if odd or getattr(hf.lm_head, "bias", None) is not None:
+            raise ValueError(
+                f"HFPolicy computes logits as lm_head.weight @ h; {type(hf).__name__} transforms them "
+                f"({odd or 'lm_head has a bias'}), which the learner's chunked LM head would not reproduce. "
+                "Use a model whose logits are a plain linear head"
+            )
+        self.__dict__["hf"] = hf  # not registered: its two children are, under their own names
+        self.model = hf.model
+        self.lm_head = hf.lm_head
+        self.config = cfg
+        self.moe_layer_indices: list[int] = []  # routing is not recorded for HF models (no R3)
+        self.train(hf.training)
+
+    # ---- construction and files ------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> HFPolicy:
+        """Load an HF causal LM checkpoint directory (no hub access: a local path only)."""
+        from transformers import AutoModelForCausalLM
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} holds no config.json: not a saved Hugging Face checkpoint; give "
+                                    "a directory written by save_pretrained")
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        return cls(hf)
+
+    def save_pretrained(self, path: str | Path, **kwargs) -> None:
+        """The HF checkpoint (config.json + safetensors), loadable by transformers and vLLM."""
+        self.hf.save_pretrained(str(path), **kwargs)
+
+    def train(self, mode: bool = True) -> HFPolicy:
+        super().train(mode)
+        self.hf.training = mode  # HF's gradient checkpointing reads the wrapped model's flag
+        return self
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each decoder layer's activations in the backward (transformers' own checkpointing)."""
+        self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    # ---- packed forward (learner) ---------------------------------------------------------------
+    def packed_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """input_ids [T], cu_seqlens int [N+1] (0 .. T) -> last hidden states [T, D]; each sequence attends
+        only to itself, with positions from 0."""
+        if input_ids.dim() != 1 or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
+            raise ValueError(f"packed input: input_ids must be [T] and cu_seqlens run from 0 to T; got "
+                             f"input_ids {tuple(input_ids.shape)}, cu_seqlens {cu_seqlens.tolist()[:8]}")
+        pos = positions_from_cu_seqlens(cu_seqlens.to(input_ids.device))
+        out = self.model(input_ids=input_ids[None], position_ids=pos[None], use_cache=False)
+        return out.last_hidden_state[0]
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., D] -> logits [..., V] (model dtype)."""
+        return F.linear(h, self.lm_head.weight)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Packed logits [T, V] (model dtype). For long inputs prefer packed_hidden + a chunked head."""
+        return self.head_logits(self.packed_hidden(input_ids, cu_seqlens))
+
+    def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor,
+                       cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(targets[t] | tokens <= t of t's sequence), fp32 [T]. cu_seqlens None = one sequence."""
+        if targets.shape != input_ids.shape:
+            raise ValueError(f"targets must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(targets.shape)}")
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, input_ids.shape[0]], dtype=torch.int32, device=input_ids.device)
+        from_head = torch.log_softmax(self.forward(input_ids, cu_seqlens).float(), -1)
+        return from_head.gather(-1, targets.to(torch.long)[:, None]).squeeze(-1)
+
+    # ---- cached forward (TorchEngine) -----------------------------------------------------------
+    def empty_cache(self, n: int) -> HFPackedCache:
+        """A cache of n empty rows. Sliding-window layers are refused (their cache drops old tokens, which
+        this row layout does not track)."""
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        layers = DynamicCache(config=self.config).layers
+        if any(type(layer) is not DynamicLayer for layer in layers):
+            kinds = sorted({type(layer).__name__ for layer in layers})
+            raise ValueError(f"TorchEngine's HF cache supports full-attention layers only; this model has "
+                             f"{kinds}. Use rollout.engine=vllm for it")
+        return HFPackedCache.empty(n)
+
+    def packed_logits(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: HFPackedCache,
+                      logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, HFPackedCache]:
+        """Feed sequence i the tokens input_ids[cu[i]:cu[i+1]] after its cache row i. Returns (logits fp32
+        at `logit_index` [M, V] (None: every position [T, V]), the new cache). The input cache is
+        unchanged."""
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        if len(lens) != len(cache.rows):
+            raise ValueError(f"{len(lens)} sequences in cu_seqlens but {len(cache.rows)} cache rows")
+        if len(lens) > 1 and all(n == 1 for n in lens) and all(r is not None for r in cache.rows):
+            h, rows = self._decode_batched(input_ids, cache)
+        else:
+            h, rows = self._per_row(input_ids, lens, cache)
+        if logit_index is not None:
+            h = h[logit_index]
+        return self.head_logits(h).float(), HFPackedCache(rows)
+
+    def _per_row(self, input_ids: torch.Tensor, lens: list[int], cache: HFPackedCache):
+        """The obvious path: one forward per sequence on its own DynamicCache."""
+        from transformers.cache_utils import DynamicCache
+
+        hs, rows, start = [], [], 0
+        for n, row, past in zip(lens, cache.rows, cache.lengths):
+            if n == 0:
+                rows.append(row)
+                continue
+            dc = DynamicCache(ddp_cache_data=row, config=self.config)
+            pos = torch.arange(past, past + n, device=input_ids.device)
+            out = self.model(input_ids=input_ids[None, start:start + n], position_ids=pos[None],
+                             past_key_values=dc, use_cache=True)
+            hs.append(out.last_hidden_state[0])
+            rows.append(tuple((layer.keys, layer.values) for layer in dc.layers))
+            start += n
+        w = self.lm_head.weight
+        h = torch.cat(hs) if hs else w.new_zeros(0, w.shape[1])
+        return h, tuple(rows)
+
+    def _decode_batched(self, input_ids: torch.Tensor, cache: HFPackedCache):
+        """One new token per row, in one forward: past K/V right-padded to the longest row, a padding mask
+        over [past..., new], position_ids = each row's length."""
+        from transformers.cache_utils import DynamicCache
+
+        L = cache.lengths
+        N, Lmax, dev = len(L), max(L), input_ids.device
+        equal = min(L) == Lmax
+        data = []
+        for j in range(len(cache.rows[0])):
+            ks = [r[j][0] for r in cache.rows]
+            vs = [r[j][1] for r in cache.rows]
+            if equal:
+                data.append((torch.cat(ks), torch.cat(vs)))
+                continue
+            K = ks[0].new_zeros(N, *ks[0].shape[1:2], Lmax, ks[0].shape[-1])
+            V = vs[0].new_zeros(N, *vs[0].shape[1:2], Lmax, vs[0].shape[-1])
+            for i, (k, v) in enumerate(zip(ks, vs)):
+                K[i, :, : L[i]] = k[0]
+                V[i, :, : L[i]] = v[0]
+            data.append((K, V))
+        dc = DynamicCache(ddp_cache_data=data, config=self.config)
+        lengths = torch.tensor(L, device=dev)
+        mask = None
+        if not equal:
+            mask = torch.ones(N, Lmax + 1, dtype=torch.bool, device=dev)
+            mask[:, :Lmax] = torch.arange(Lmax, device=dev)[None] < lengths[:, None]
+        out = self.model(input_ids=input_ids[:, None], position_ids=lengths[:, None], attention_mask=mask,
+                         past_key_values=dc, use_cache=True)
+        rows = []
+        for i in range(N):
+            keep = [(layer.keys[i : i + 1], layer.values[i : i + 1]) for layer in dc.layers]
+            if not equal:
+                keep = [(torch.cat([k[:, :, : L[i]], k[:, :, Lmax:]], 2),
+                         torch.cat([v[:, :, : L[i]], v[:, :, Lmax:]], 2)) for k, v in keep]
+            rows.append(tuple(keep))
+        return out.last_hidden_state[:, 0], tuple(rows)
+
+    # ---- Odyssey-only features: documented no-ops -----------------------------------------------
+    def moe_layers(self) -> list[nn.Module]:
+        """No Odyssey MoE layers: routing replay and expert-load metrics do not apply to HF models."""
+        return []
+
+    def expert_load_metrics(self) -> dict[str, float]:
+        """Empty: expert-load metrics are recorded by Odyssey's LatentMoE only."""
+        return {}
+
+    def update_router_biases(self) -> None:
+        """Nothing to update: HF models have no Odyssey balancing bias (and the learner does not add an
+        HF MoE's auxiliary load-balancing loss)."""
+
+
+__all__ = ["HFPolicy", "HFPackedCache", "is_odyssey_checkpoint", "positions_from_cu_seqlens"]
