@@ -333,7 +333,7 @@ class RunConfig(_Section):
             + _orchestrator_problems(self.orchestrator)
             + _init_from_problems(self.model)
             + _hf_problems(self)
-            + (_model_problems(self.model) if not _is_hf(self.model) else [])
+            + (_model_problems(self.model) if not is_hf_policy(self.model) else [])
             + _reward_problems(self.rewards)
             + _env_problems(self.env, self.rewards)
         )
@@ -472,7 +472,7 @@ def _init_from_problems(m: ModelSection) -> list[str]:
     return _preset_vs_checkpoint(m, path)
 
 
-def _is_hf(m: ModelSection) -> bool:
+def is_hf_policy(m: ModelSection) -> bool:
     """The policy is an HF causal LM: model.hf_path, or model.init_from holding a non-Odyssey checkpoint."""
     if m.hf_path is not None:
         return True
@@ -507,7 +507,7 @@ def _hf_problems(c: RunConfig) -> list[str]:
             return [f"model.hf_path: {path / 'config.json'} is not valid JSON ({e}); {fix}"]
         if saved.get("model_type") == "odyssey_moe":
             out.append(f"model.hf_path: {m.hf_path!r} is an Odyssey checkpoint; load it with model.init_from")
-    if not _is_hf(m):
+    if not is_hf_policy(m):
         return out
     where = f"model.hf_path={m.hf_path}" if m.hf_path else f"model.init_from={m.init_from} (an HF checkpoint)"
     if m.overrides:
@@ -540,7 +540,7 @@ def _preset_vs_checkpoint(m: ModelSection, path: Path) -> list[str]:
         from model.config import PRESETS, OdysseyConfig
     except ImportError:
         return []
-    if m.preset not in PRESETS or _is_hf(m):
+    if m.preset not in PRESETS or is_hf_policy(m):
         return []  # _model_problems names an unknown preset; an HF checkpoint has no preset
     try:
         saved = json.loads((path / "config.json").read_text())

@@ -98,7 +98,8 @@ def _hf_checkpoint_names(model_dir: str, cfg: dict) -> set[str]:
 
         files = sorted(d.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"VllmEngine: no *.safetensors in {d}; save the model with save_pretrained")
+            raise FileNotFoundError(f"VllmEngine: no *.safetensors in {d}; save the model with "
+                                    "save_pretrained")
         names = set()
         for f in files:
             with safe_open(str(f), "pt") as h:
