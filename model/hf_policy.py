@@ -7,10 +7,14 @@
     logits, cache = policy.packed_logits(ids, cu_seqlens, cache)     # [T | len(logit_index), V] fp32
 
 Packing (the learner): the sequences of a micro-batch are concatenated into one row [1, T] with
-`position_ids` restarting at 0 at every `cu_seqlens` boundary and no attention mask. transformers reads the
-restarts as packed sequences: flash-attention kernels run varlen, sdpa / eager build a block-diagonal causal
-mask (`masking_utils.find_packed_sequence_indices`). No padding, per-sequence rotary positions, and a token
-never attends to another sequence (tested against a per-sequence loop).
+`position_ids` restarting at 0 at every `cu_seqlens` boundary (per-sequence rotary positions) and the
+boundaries passed as `cu_seq_lens_q/k`, transformers' varlen kwargs. With a flash-attention implementation
+(GPU) its varlen kernel runs. An sdpa / eager model (CPU) of full-attention layers is switched to the
+attention implementation "odyssey_packed_sdpa" (`packed_sdpa` + `packed_mask`, registered with
+transformers): given `cu_seq_lens_q` it runs causal SDPA per sequence, O(sum L_i^2) work and no [T, T] mask
+(transformers' own fallback for packed position_ids builds a block-diagonal [T, T] mask: 16x the work at 16
+sequences of 1K tokens); without it, it is transformers' sdpa (generate, padding, KV cache). No padding, and
+a token never attends to another sequence (tested against a per-sequence loop on an independent eager model).
 
 Decoding (TorchEngine): `HFPackedCache` keeps one row per sequence, each a tuple over layers of (K, V)
 [1, H_kv, L, D_h]. A forward never mutates the cache passed in; it returns a new one. A decode step (one new
@@ -43,6 +47,61 @@ def is_odyssey_checkpoint(path: str | Path) -> bool:
     """True when `path`/config.json was written by OdysseyForCausalLM (model_type 'odyssey_moe')."""
     cfg = json.loads((Path(path) / "config.json").read_text())
     return cfg.get("model_type") == ODYSSEY_MODEL_TYPE
+
+
+PACKED_ATTENTION = "odyssey_packed_sdpa"
+
+
+def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention interface for one packed row: query [1, H, T, D], key / value [1, H_kv, T, D],
+    kwargs["cu_seq_lens_q"] int [N+1] -> (output [1, T, H, D], None). Causal SDPA per sequence (GQA by
+    enable_gqa); `attention_mask` is None here (no mask function is registered for this implementation)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    if cu is None:  # not packed: transformers' sdpa (its mask, or causal when there is none)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if attention_mask is not None or query.shape[0] != 1:
+        raise ValueError(f"{PACKED_ATTENTION}: a packed call (cu_seq_lens_q) takes one row and no mask; got "
+                         f"batch {query.shape[0]}, mask {attention_mask is not None}")
+    bounds = cu.tolist()
+    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                           scale=scaling, dropout_p=dropout if module.training else 0.0,
+                                           enable_gqa=key.shape[1] != query.shape[1])
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
+
+
+def packed_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """transformers mask interface of "odyssey_packed_sdpa": None (causal, applied by packed_sdpa per
+    sequence or by SDPA's is_causal) when there is no padding mask and no cache offset; else sdpa's mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and int(q_offset) == 0 and int(kv_offset) == 0 and q_length == kv_length:
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
+
+
+def _use_packed_attention(config) -> bool:
+    """Switch an sdpa / eager model of full-attention layers to "odyssey_packed_sdpa" (registered here).
+    Flash-attention models keep their varlen kernels; sliding-window models keep transformers' masks."""
+    from transformers import AttentionInterface
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if config._attn_implementation not in ("sdpa", "eager", PACKED_ATTENTION):
+        return False
+    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=config).layers):
+        return False
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, packed_mask)
+    config._attn_implementation = PACKED_ATTENTION
+    return True
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -104,6 +163,7 @@ class HFPolicy(nn.Module):
         self.lm_head = hf.lm_head
         self.config = cfg
         self.moe_layer_indices: list[int] = []  # routing is not recorded for HF models (no R3)
+        self.packed_attention = _use_packed_attention(cfg)
         self.train(hf.training)
 
     # ---- construction and files ------------------------------------------------------------------
@@ -139,8 +199,15 @@ class HFPolicy(nn.Module):
         if input_ids.dim() != 1 or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
             raise ValueError(f"packed input: input_ids must be [T] and cu_seqlens run from 0 to T; got "
                              f"input_ids {tuple(input_ids.shape)}, cu_seqlens {cu_seqlens.tolist()[:8]}")
-        pos = positions_from_cu_seqlens(cu_seqlens.to(input_ids.device))
-        out = self.model(input_ids=input_ids[None], position_ids=pos[None], use_cache=False)
+        cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+        pos = positions_from_cu_seqlens(cu)
+        lens = cu[1:] - cu[:-1]
+        longest = int(lens.max())
+        varlen = {}
+        if self.packed_attention or self.config._attn_implementation.startswith("flash"):
+            varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        # else (sliding-window sdpa/eager): transformers builds a block-diagonal mask from position_ids
+        out = self.model(input_ids=input_ids[None], position_ids=pos[None], use_cache=False, **varlen)
         return out.last_hidden_state[0]
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:

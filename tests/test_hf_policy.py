@@ -81,9 +81,16 @@ def any_dir(request, tmp_path_factory, llama_dir) -> str:
     return make(tmp_path_factory.mktemp(request.param))
 
 
-def _per_sequence_logits(policy: HFPolicy, ids: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+def reference(path: str) -> torch.nn.Module:
+    """The oracle model: the checkpoint in plain transformers, eager attention (no code of ours)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+
+
+def _per_sequence_logits(ref: torch.nn.Module, ids: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """The oracle: HF's own forward, one sequence at a time."""
-    return torch.cat([policy.hf(input_ids=ids[None, a:b]).logits[0] for a, b in zip(cu[:-1], cu[1:])])
+    return torch.cat([ref(input_ids=ids[None, a:b]).logits[0] for a, b in zip(cu[:-1], cu[1:])])
 
 
 def test_positions_restart_at_every_sequence():
@@ -99,13 +106,36 @@ def test_packed_forward_equals_per_sequence(any_dir):
     lens = [7, 1, 19, 4]
     ids = torch.randint(0, V, (sum(lens),), generator=g)
     cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+    assert policy.packed_attention  # the per-sequence SDPA path, not a [T, T] mask
     packed = policy(ids, cu)
-    ref = _per_sequence_logits(policy, ids, cu)
+    ref = _per_sequence_logits(reference(any_dir), ids, cu)
     err = (packed - ref).abs().max().item()
     assert err <= PACKED_TOL, err
     # and packing is really needed: the same tokens as one sequence give other logits after the first one
     whole = policy(ids, torch.tensor([0, len(ids)], dtype=torch.int32))
     assert (whole[lens[0]:] - ref[lens[0]:]).abs().max().item() > 1e-3
+
+
+def test_packed_gradients_with_and_without_activation_checkpointing(llama_dir):
+    """The backward's recomputation (transformers' checkpointing) runs the same packed attention: gradients
+    equal the plain backward's (<= 1e-5), and packed gradients equal per-sequence ones on the eager oracle."""
+    ids = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor([0, 9, 30, 40], dtype=torch.int32)
+    tg = torch.roll(ids, -1)
+    grads = []
+    for ckpt in (False, True):
+        policy = HFPolicy.from_pretrained(llama_dir).train()
+        if ckpt:
+            policy.gradient_checkpointing_enable()
+        policy.token_logprobs(ids, tg, cu).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in policy.named_parameters()})
+    ref = reference(llama_dir)
+    lp = torch.log_softmax(_per_sequence_logits(ref, ids, cu), -1).gather(-1, tg[:, None]).sum()
+    lp.backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    for n in grads[0]:
+        assert (grads[0][n] - grads[1][n]).abs().max().item() <= PACKED_TOL, n
+        assert (grads[0][n] - want[n]).abs().max().item() <= PACKED_TOL, n
 
 
 @torch.no_grad()
@@ -115,7 +145,8 @@ def test_token_logprobs_equal_log_softmax_of_hf_logits(llama_dir):
     cu = torch.tensor([0, 12, 30], dtype=torch.int32)
     tg = torch.roll(ids, -1)
     lp = policy.token_logprobs(ids, tg, cu)
-    ref = torch.log_softmax(_per_sequence_logits(policy, ids, cu), -1).gather(-1, tg[:, None]).squeeze(-1)
+    ref = torch.log_softmax(_per_sequence_logits(reference(llama_dir), ids, cu), -1)
+    ref = ref.gather(-1, tg[:, None]).squeeze(-1)
     assert (lp - ref).abs().max().item() <= PACKED_TOL
 
 
@@ -125,12 +156,13 @@ def test_cached_decode_equals_full_forward(any_dir):
     step's logits == HF's full forward on the whole sequence so far (<= 1e-5); the input cache is
     unchanged."""
     policy = HFPolicy.from_pretrained(any_dir).eval()
+    oracle = reference(any_dir)
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 11, 2)]
     cu = torch.tensor([0, 5, 16, 18], dtype=torch.int32)
     logits, cache = policy.packed_logits(torch.tensor(sum(seqs, [])), cu, policy.empty_cache(3))
     for a, b, s in zip(cu[:-1], cu[1:], seqs):
-        ref = policy.hf(input_ids=torch.tensor([s])).logits[0]
+        ref = oracle(input_ids=torch.tensor([s])).logits[0]
         assert (logits[a:b] - ref).abs().max().item() <= PACKED_TOL
     for _ in range(3):
         new = torch.randint(0, V, (3,), generator=g)
@@ -140,7 +172,7 @@ def test_cached_decode_equals_full_forward(any_dir):
         cache = nxt
         for i, s in enumerate(seqs):
             s.append(int(new[i]))
-            ref = policy.hf(input_ids=torch.tensor([s])).logits[0, -1]
+            ref = oracle(input_ids=torch.tensor([s])).logits[0, -1]
             assert (logits[i] - ref).abs().max().item() <= PACKED_TOL
     assert cache.lengths == [len(s) for s in seqs]
     assert isinstance(cache, HFPackedCache)
@@ -254,7 +286,7 @@ def test_learner_save_load_roundtrip_is_an_hf_checkpoint(llama_dir, tmp_path):
     learner.step(_trajectories(TorchEngine(HFPolicy.from_pretrained(llama_dir))))
     learner.save(tmp_path / "ckpt")
     saved = json.loads((tmp_path / "ckpt" / "policy" / "config.json").read_text())
-    assert saved["model_type"] == "llama"
+    assert saved["model_type"] == "llama" and "odyssey" not in json.dumps(saved)  # loadable anywhere
     other = Learner(cfg)
     other.load(tmp_path / "ckpt")
     for k, v in learner.policy.state_dict().items():
