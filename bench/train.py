@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import platform
 import statistics
 import sys
@@ -142,9 +143,13 @@ def same_model_vs_trl(steps: int, trl_steps: int, trl_threads: int, tmp: Path) -
     model_dir = tmp / "llama"
     llama.save_pretrained(str(model_dir))
     cfgs: list = []
+    load = {"before_ours": os.getloadavg()[0]}
     ours = run_loop(1, steps, None, tmp / "same-model", cfgs, (f"model.hf_path={model_dir}",))
+    load["after_ours"] = os.getloadavg()[0]
     trl = trl_tokens_per_s(cfgs[0], trl_steps, trl_threads, model_dir=str(model_dir))
+    load["after_trl"] = os.getloadavg()[0]
     return {
+        "load_average_1min": load,  # the cores are shared: other load changes both rates, not equally
         "model": f"LlamaForCausalLM, {sum(p.numel() for p in llama.parameters())} parameters (random "
         "weights, bench.vs_llama.llama_like of the tiny preset), one checkpoint loaded by both",
         "ours": ours,
@@ -168,8 +173,6 @@ def main() -> None:
     p.add_argument("--only", choices=["same-model"], default=None,
                    help="run only section 4 and merge it into the existing results file")
     args = p.parse_args()
-    import os
-
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
