@@ -22,7 +22,8 @@
 
 4. Same model against TRL: the dense HF Llama of 3 (`llama_like`, random weights, saved once) trained by
    both: our loop with `model.hf_path=<that checkpoint>` (model/hf_policy.py: the learner's packed forward
-   and TorchEngine on the HF model; configs/tiny.yaml otherwise, async, max_staleness 1) and TRL's
+   and TorchEngine on the HF model; configs/tiny.yaml otherwise, async, max_staleness 1, with
+   rollout.concurrent_episodes 8 so each of the 2 workers decodes its 8 episodes of a step at once) and TRL's
    GRPOTrainer loading the same checkpoint, same prompts and settings as 3. Counting as in 3.
 
     .venv/bin/python bench/train.py [--steps 6] [--trl-steps 3] [--init-from runs/tiny/warmup]
@@ -144,7 +145,10 @@ def same_model_vs_trl(steps: int, trl_steps: int, trl_threads: int, tmp: Path) -
     llama.save_pretrained(str(model_dir))
     cfgs: list = []
     load = {"before_ours": os.getloadavg()[0]}
-    ours = run_loop(1, steps, None, tmp / "same-model", cfgs, (f"model.hf_path={model_dir}",))
+    # each rollout worker decodes all its episodes of a step together (8 = 16 episodes / 2 workers), as TRL's
+    # generate decodes its whole batch of 16
+    extra = (f"model.hf_path={model_dir}", "rollout.concurrent_episodes=8")
+    ours = run_loop(1, steps, None, tmp / "same-model", cfgs, extra)
     load["after_ours"] = os.getloadavg()[0]
     trl = trl_tokens_per_s(cfgs[0], trl_steps, trl_threads, model_dir=str(model_dir))
     load["after_trl"] = os.getloadavg()[0]
@@ -159,8 +163,9 @@ def same_model_vs_trl(steps: int, trl_steps: int, trl_threads: int, tmp: Path) -
         "ratio_ours_over_trl": ours["tokens_per_s"] / trl["tokens_per_s"],
         "goal": ">= 1.5",
         "counting": "as rl_tokens_per_s_vs_trl: tokens of each step's sequences over steps 2..N / seconds "
-        "from the end of step 1 to the end of step N (ours: async, max_staleness 1, multi-turn with the "
-        "calculator; TRL: one turn)",
+        "from the end of step 1 to the end of step N (ours: async, max_staleness 1, concurrent_episodes 8 "
+        "per worker, multi-turn with the calculator: its tokens include tool results and turn markup; TRL: "
+        "one turn of prompt + completion)",
     }
 
 
