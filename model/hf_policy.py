@@ -55,9 +55,10 @@ PACKED_ATTENTION = "odyssey_packed_sdpa"
 def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                 **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention interface for one packed row: query [1, H, T, D], key / value [1, H_kv, T, D],
-    kwargs["cu_seq_lens_q"] int [N+1] -> (output [1, T, H, D], None). Causal SDPA per sequence (GQA by
-    enable_gqa); `attention_mask` is None here (no mask function is registered for this implementation)."""
+    """transformers attention interface of "odyssey_packed_sdpa". A packed call (HFPolicy.packed_hidden): one
+    row, query [1, H, T, D], key / value [1, H_kv, T, D], kwargs["cu_seq_lens_q"] int [N+1], no mask
+    (packed_mask gives none) -> (output [1, T, H, D], None): causal SDPA per sequence (GQA by enable_gqa).
+    Any other call (generate, padding, KV cache) is transformers' sdpa_attention_forward."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop("cu_seq_lens_q", None)
