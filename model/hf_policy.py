@@ -259,16 +259,25 @@ class HFPolicy(nn.Module):
             h = h[logit_index]
         return self.head_logits(h).float(), HFPackedCache(rows)
 
-    def _per_row(self, input_ids: torch.Tensor, lens: list[int], cache: HFPackedCache):
-        """The obvious path: one forward per sequence on its own DynamicCache."""
+    def _dynamic_cache(self, data) -> object:
+        """A DynamicCache holding the (K, V) pairs of `data` per layer (None: empty) without copying them
+        (DynamicCache(ddp_cache_data=...) concatenates them onto empty tensors: one more copy a step)."""
         from transformers.cache_utils import DynamicCache
 
+        dc = DynamicCache(config=self.config)
+        for layer, (k, v) in zip(dc.layers, data or ()):
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        return dc
+
+    def _per_row(self, input_ids: torch.Tensor, lens: list[int], cache: HFPackedCache):
+        """The obvious path: one forward per sequence on its own DynamicCache."""
         hs, rows, start = [], [], 0
         for n, row, past in zip(lens, cache.rows, cache.lengths):
             if n == 0:
                 rows.append(row)
                 continue
-            dc = DynamicCache(ddp_cache_data=row, config=self.config)
+            dc = self._dynamic_cache(row)
             pos = torch.arange(past, past + n, device=input_ids.device)
             out = self.model(input_ids=input_ids[None, start:start + n], position_ids=pos[None],
                              past_key_values=dc, use_cache=True)
@@ -282,8 +291,6 @@ class HFPolicy(nn.Module):
     def _decode_batched(self, input_ids: torch.Tensor, cache: HFPackedCache):
         """One new token per row, in one forward: past K/V right-padded to the longest row, a padding mask
         over [past..., new], position_ids = each row's length."""
-        from transformers.cache_utils import DynamicCache
-
         L = cache.lengths
         N, Lmax, dev = len(L), max(L), input_ids.device
         equal = min(L) == Lmax
@@ -300,7 +307,7 @@ class HFPolicy(nn.Module):
                 K[i, :, : L[i]] = k[0]
                 V[i, :, : L[i]] = v[0]
             data.append((K, V))
-        dc = DynamicCache(ddp_cache_data=data, config=self.config)
+        dc = self._dynamic_cache(data)
         lengths = torch.tensor(L, device=dev)
         mask = None
         if not equal:
