@@ -370,3 +370,10 @@ def test_a_session_object_is_reused_unchanged_after_a_forward(llama_dir):
     b = engine.generate([GenerationRequest([20, 21], SamplingParams(max_new_tokens=4, seed=5),
                                            session=snapshot)])[0]
     assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_warmup_refuses_an_hf_model_with_the_fix(llama_dir, tmp_path):
+    from rl.warmup import build_model
+
+    with pytest.raises(ValueError, match="SFT warm-up runs on Odyssey's model only.*SFTTrainer"):
+        build_model(_cfg(tmp_path, llama_dir))
