@@ -18,8 +18,9 @@ a token never attends to another sequence (tested against a per-sequence loop on
 
 Decoding (TorchEngine): `HFPackedCache` keeps one row per sequence, each a tuple over layers of (K, V)
 [1, H_kv, L, D_h]. A forward never mutates the cache passed in; it returns a new one. A decode step (one new
-token per row) runs as one batched forward: the rows' K/V are right-padded to the longest, with a 2-D
-padding mask and each row's own position; any other shape (prefill chunks) runs row by row.
+token per row) runs as one batched forward: the rows' K/V right-padded to the longest, a 2-D padding mask and
+each row's own position; its result stays batched (`BatchedKV`) for the next step, so consecutive decode
+steps copy no rows, and rows are cut out only when sequences join or leave. Prefill chunks run row by row.
 
 Parameter names are the HF checkpoint's (`model.…`, `lm_head.weight`): the wrapper registers the HF model's
 two children under their own names, so `state_dict()` feeds vLLM's own model code and `save_pretrained`
@@ -115,26 +116,55 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class HFPackedCache:
-    """KV cache of N sequences for TorchEngine. rows[i]: per layer (K, V) [1, H_kv, L_i, D_h], or None
-    for an empty row (L_i = 0). Immutable: `select` / `concat` share tensors, forwards return new caches."""
+class BatchedKV:
+    """Rows decoded together, kept batched between decode steps: per layer (K, V) [N, H_kv, W, D_h] and
+    valid bool [N, W] (row i's tokens are its valid columns, in order; a shorter row has padding columns)."""
 
-    rows: tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...] | None, ...]
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    valid: torch.Tensor
+
+
+class HFPackedCache:
+    """KV cache of N sequences for TorchEngine: `rows` (row i: per layer (K, V) [1, H_kv, L_i, D_h], or None
+    for an empty row) or, straight out of a batched decode step, `batch` (BatchedKV; rows are cut out of it
+    only when asked for: select / concat / a prefill). Immutable: forwards return new caches."""
+
+    def __init__(self, rows: tuple | None = None, batch: BatchedKV | None = None) -> None:
+        if (rows is None) == (batch is None):
+            raise ValueError("HFPackedCache takes rows or batch, exactly one")
+        self._rows, self.batch = rows, batch
 
     @classmethod
     def empty(cls, n: int) -> HFPackedCache:
-        return cls((None,) * n)
+        return cls(rows=(None,) * n)
+
+    @property
+    def rows(self) -> tuple:
+        if self._rows is None:  # cut each row's valid columns out of the batch (a copy where it has padding)
+            rows = []
+            for i, ok in enumerate(self.batch.valid):
+                idx = None if bool(ok.all()) else ok.nonzero().squeeze(1)
+                rows.append(tuple((k[i:i + 1], v[i:i + 1]) if idx is None else
+                                  (k[i:i + 1].index_select(2, idx), v[i:i + 1].index_select(2, idx))
+                                  for k, v in self.batch.layers))
+            self._rows = tuple(rows)
+        return self._rows
 
     @property
     def lengths(self) -> list[int]:
-        return [0 if r is None else int(r[0][0].shape[-2]) for r in self.rows]
+        if self._rows is None:
+            return self.batch.valid.sum(1).tolist()
+        return [0 if r is None else int(r[0][0].shape[-2]) for r in self._rows]
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._rows is not None else int(self.batch.valid.shape[0])
 
     def select(self, indices: list[int]) -> HFPackedCache:
-        return HFPackedCache(tuple(self.rows[i] for i in indices))
+        return HFPackedCache(rows=tuple(self.rows[i] for i in indices))
 
-    @classmethod
-    def concat(cls, caches: list[HFPackedCache]) -> HFPackedCache:
-        return cls(tuple(r for c in caches for r in c.rows))
+    @staticmethod
+    def concat(caches: list[HFPackedCache]) -> HFPackedCache:
+        return HFPackedCache(rows=tuple(r for c in caches for r in c.rows))
 
 
 class HFPolicy(nn.Module):
@@ -249,15 +279,16 @@ class HFPolicy(nn.Module):
         at `logit_index` [M, V] (None: every position [T, V]), the new cache). The input cache is
         unchanged."""
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-        if len(lens) != len(cache.rows):
-            raise ValueError(f"{len(lens)} sequences in cu_seqlens but {len(cache.rows)} cache rows")
-        if len(lens) > 1 and all(n == 1 for n in lens) and all(r is not None for r in cache.rows):
-            h, rows = self._decode_batched(input_ids, cache)
+        if len(lens) != len(cache):
+            raise ValueError(f"{len(lens)} sequences in cu_seqlens but {len(cache)} cache rows")
+        if len(lens) > 1 and all(n == 1 for n in lens) and min(cache.lengths) > 0:
+            h, new = self._decode_batched(input_ids, cache)
         else:
             h, rows = self._per_row(input_ids, lens, cache)
+            new = HFPackedCache(rows=rows)
         if logit_index is not None:
             h = h[logit_index]
-        return self.head_logits(h).float(), HFPackedCache(rows)
+        return self.head_logits(h).float(), new
 
     def _dynamic_cache(self, data) -> object:
         """A DynamicCache holding the (K, V) pairs of `data` per layer (None: empty) without copying them
@@ -288,41 +319,38 @@ class HFPolicy(nn.Module):
         h = torch.cat(hs) if hs else w.new_zeros(0, w.shape[1])
         return h, tuple(rows)
 
-    def _decode_batched(self, input_ids: torch.Tensor, cache: HFPackedCache):
-        """One new token per row, in one forward: past K/V right-padded to the longest row, a padding mask
-        over [past..., new], position_ids = each row's length."""
-        L = cache.lengths
-        N, Lmax, dev = len(L), max(L), input_ids.device
-        equal = min(L) == Lmax
-        data = []
-        for j in range(len(cache.rows[0])):
-            ks = [r[j][0] for r in cache.rows]
-            vs = [r[j][1] for r in cache.rows]
-            if equal:
-                data.append((torch.cat(ks), torch.cat(vs)))
-                continue
-            K = ks[0].new_zeros(N, *ks[0].shape[1:2], Lmax, ks[0].shape[-1])
-            V = vs[0].new_zeros(N, *vs[0].shape[1:2], Lmax, vs[0].shape[-1])
-            for i, (k, v) in enumerate(zip(ks, vs)):
-                K[i, :, : L[i]] = k[0]
-                V[i, :, : L[i]] = v[0]
-            data.append((K, V))
-        dc = self._dynamic_cache(data)
-        lengths = torch.tensor(L, device=dev)
-        mask = None
-        if not equal:
-            mask = torch.ones(N, Lmax + 1, dtype=torch.bool, device=dev)
-            mask[:, :Lmax] = torch.arange(Lmax, device=dev)[None] < lengths[:, None]
-        out = self.model(input_ids=input_ids[:, None], position_ids=lengths[:, None], attention_mask=mask,
+    def _decode_batched(self, input_ids: torch.Tensor,
+                        cache: HFPackedCache) -> tuple[torch.Tensor, HFPackedCache]:
+        """One new token per row, in one forward: the rows' K/V batched (as the previous decode step left
+        them, or right-padded to the longest row), a padding mask over [past..., new], position_ids = each
+        row's length. The result stays batched for the next step (no per-row copies)."""
+        if cache.batch is not None:
+            layers, valid = cache.batch.layers, cache.batch.valid
+        else:
+            L = cache.lengths
+            N, Lmax, dev = len(L), max(L), input_ids.device
+            valid = torch.arange(Lmax, device=dev)[None] < torch.tensor(L, device=dev)[:, None]
+            layers = []
+            for j in range(len(cache.rows[0])):
+                ks = [r[j][0] for r in cache.rows]
+                vs = [r[j][1] for r in cache.rows]
+                if min(L) == Lmax:
+                    layers.append((torch.cat(ks), torch.cat(vs)))
+                    continue
+                K = ks[0].new_zeros(N, ks[0].shape[1], Lmax, ks[0].shape[-1])
+                V = vs[0].new_zeros(N, vs[0].shape[1], Lmax, vs[0].shape[-1])
+                for i, (k, v) in enumerate(zip(ks, vs)):
+                    K[i, :, : L[i]] = k[0]
+                    V[i, :, : L[i]] = v[0]
+                layers.append((K, V))
+        dc = self._dynamic_cache(layers)
+        valid = torch.cat([valid, valid.new_ones(valid.shape[0], 1)], 1)
+        mask = None if bool(valid.all()) else valid
+        positions = valid.sum(1, keepdim=True) - 1
+        out = self.model(input_ids=input_ids[:, None], position_ids=positions, attention_mask=mask,
                          past_key_values=dc, use_cache=True)
-        rows = []
-        for i in range(N):
-            keep = [(layer.keys[i : i + 1], layer.values[i : i + 1]) for layer in dc.layers]
-            if not equal:
-                keep = [(torch.cat([k[:, :, : L[i]], k[:, :, Lmax:]], 2),
-                         torch.cat([v[:, :, : L[i]], v[:, :, Lmax:]], 2)) for k, v in keep]
-            rows.append(tuple(keep))
-        return out.last_hidden_state[:, 0], tuple(rows)
+        batch = BatchedKV(tuple((layer.keys, layer.values) for layer in dc.layers), valid)
+        return out.last_hidden_state[:, 0], HFPackedCache(batch=batch)
 
     # ---- Odyssey-only features: documented no-ops -----------------------------------------------
     def moe_layers(self) -> list[nn.Module]:
@@ -338,4 +366,4 @@ class HFPolicy(nn.Module):
         HF MoE's auxiliary load-balancing loss)."""
 
 
-__all__ = ["HFPolicy", "HFPackedCache", "is_odyssey_checkpoint", "positions_from_cu_seqlens"]
+__all__ = ["BatchedKV", "HFPolicy", "HFPackedCache", "is_odyssey_checkpoint", "positions_from_cu_seqlens"]
