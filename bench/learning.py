@@ -19,6 +19,10 @@ Families:
                  tools in a Docker sandbox (grep the artifact, grep its vault, answer: multi-turn, with
                  the sub-goals found_location and found_code), difficulty 0, 32 episodes a step,
                  lr 2e-5 instead of the variant's (at 1e-4 RL collapsed it). Ours.
+  vision-arith   configs/vision_tiny.yaml: the arithmetic expression exists only in the image the look tool
+                 returns (rendered in the Docker sandbox), then calc and answer as in arith; difficulty 0.
+                 Its ablation variant rl_raft_blank plays every image blank (white, same size): SFT-only and
+                 RL evaluations and the RL batches alike, from the same warm-up checkpoint. Ours.
 code-repair is not in this bench: its transcripts (a module and its tests, rewritten whole) are longer
 than the tiny policy learns to copy in a CPU warm-up.
 
@@ -30,6 +34,7 @@ Variants (overrides on the family's config):
                         task; for raft the shaped rewards only rank a group's successes). arith, long-docs.
   rl                    GRPO, lr 5e-5, 3 warm-up steps, one epoch (the demo's recipe before raft)
   rl_outcome_only       the same without the process and sub-goal rewards. arith only.
+  rl_raft_blank         rl_raft with env.kwargs.blank_images=true: the image hidden. vision-arith only.
 `--variants` / `--families` / `--seeds` run some of them; the results file keeps the runs of the others
 (and of other seeds of the same cell when they ran with the same steps and eval episodes), each with the
 steps and eval episodes it was run with (see "summary"). `--eval-every N` also evaluates every N steps
@@ -69,12 +74,14 @@ VARIANTS = {
     "rl_raft_outcome_only": [*RAFT, OUTCOME_ONLY],
     "rl": GRPO,
     "rl_outcome_only": [*GRPO, OUTCOME_ONLY],
+    "rl_raft_blank": [*RAFT, "env.kwargs.blank_images=true"],
 }
 LABELS = {
     "rl": "GRPO",
     "rl_outcome_only": "GRPO\n(outcome only)",
     "rl_raft": "RAFT\n(make demo's recipe)",
     "rl_raft_outcome_only": "RAFT\n(outcome only)",
+    "rl_raft_blank": "RAFT\n(images blank)",
 }
 
 
@@ -98,6 +105,12 @@ FAMILIES = {
         "long-docs d0 (grep tools, Docker)",
         ("rl_raft", "rl_raft_outcome_only"),
         ("learner.lr=2e-5",),  # lr 1e-4 collapsed it (docs/training.md)
+    ),
+    "vision-arith": Family(
+        "configs/vision_tiny.yaml",
+        "runs/vision_tiny/warmup",
+        "vision-arith d0 (the expression only in look's image)",
+        ("rl_raft", "rl_raft_blank"),
     ),
 }
 

@@ -20,7 +20,14 @@
    Ratio = ours / TRL. Torch threads: ours 1 per rollout worker (2) and 1 per learner rank (1), TRL
    --trl-threads (default 2) in one process.
 
+4. Same model against TRL: the dense HF Llama of 3 (`llama_like`, random weights, saved once) trained by
+   both: our loop with `model.hf_path=<that checkpoint>` (model/hf_policy.py: the learner's packed forward
+   and TorchEngine on the HF model; configs/tiny.yaml otherwise, async, max_staleness 1, with
+   rollout.concurrent_episodes 8 so each of the 2 workers decodes its 8 episodes of a step at once) and TRL's
+   GRPOTrainer loading the same checkpoint, same prompts and settings as 3. Counting as in 3.
+
     .venv/bin/python bench/train.py [--steps 6] [--trl-steps 3] [--init-from runs/tiny/warmup]
+    .venv/bin/python bench/train.py --only same-model     # section 4 alone, merged into train.json
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import platform
 import statistics
 import sys
@@ -42,7 +50,8 @@ RESULTS = ROOT / "bench" / "results" / "train.json"
 
 
 def run_loop(
-    staleness: int, steps: int, init_from: str | None, run_dir: Path, cfg_out: list | None = None
+    staleness: int, steps: int, init_from: str | None, run_dir: Path, cfg_out: list | None = None,
+    extra: tuple[str, ...] = (),
 ) -> dict:
     from rich.console import Console
 
@@ -60,6 +69,7 @@ def run_loop(
     ]
     if init_from:
         overrides.append(f"model.init_from={init_from}")
+    overrides += extra
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), overrides)
     if cfg_out is not None:
         cfg_out.append(cfg)
@@ -122,15 +132,52 @@ def weight_sync_seconds(preset: str, workers: int = 2, repeats: int = 3) -> dict
     }
 
 
+def same_model_vs_trl(steps: int, trl_steps: int, trl_threads: int, tmp: Path) -> dict:
+    """Section 4: the same dense HF Llama (and prompts) trained by our loop and by TRL's GRPOTrainer."""
+    from bench.trl_grpo import trl_tokens_per_s
+    from bench.vs_llama import llama_like
+    from model.config import OdysseyConfig
+    from rl.config import load_config
+
+    base = load_config(str(ROOT / "configs" / "tiny.yaml"))
+    llama, _ = llama_like(OdysseyConfig.from_preset(base.model.preset), base.rollout.max_tokens)
+    model_dir = tmp / "llama"
+    llama.save_pretrained(str(model_dir))
+    cfgs: list = []
+    load = {"before_ours": os.getloadavg()[0]}
+    # each rollout worker decodes all its episodes of a step together (8 = 16 episodes / 2 workers), as TRL's
+    # generate decodes its whole batch of 16
+    extra = (f"model.hf_path={model_dir}", "rollout.concurrent_episodes=8")
+    ours = run_loop(1, steps, None, tmp / "same-model", cfgs, extra)
+    load["after_ours"] = os.getloadavg()[0]
+    trl = trl_tokens_per_s(cfgs[0], trl_steps, trl_threads, model_dir=str(model_dir))
+    load["after_trl"] = os.getloadavg()[0]
+    return {
+        "load_average_1min": load,  # the cores are shared: other load changes both rates, not equally
+        "model": f"LlamaForCausalLM, {sum(p.numel() for p in llama.parameters())} parameters (random "
+        "weights, bench.vs_llama.llama_like of the tiny preset), one checkpoint loaded by both",
+        "ours": ours,
+        "trl": trl,
+        "ours_tokens_per_s": ours["tokens_per_s"],
+        "trl_tokens_per_s": trl["tokens_per_s"],
+        "ratio_ours_over_trl": ours["tokens_per_s"] / trl["tokens_per_s"],
+        "goal": ">= 1.5",
+        "counting": "as rl_tokens_per_s_vs_trl: tokens of each step's sequences over steps 2..N / seconds "
+        "from the end of step 1 to the end of step N (ours: async, max_staleness 1, concurrent_episodes 8 "
+        "per worker, multi-turn with the calculator: its tokens include tool results and turn markup; TRL: "
+        "one turn of prompt + completion)",
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--init-from", default=None, help="a warm-up checkpoint (e.g. runs/tiny/warmup)")
     p.add_argument("--trl-steps", type=int, default=3, help="TRL GRPOTrainer steps (the first is not timed)")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run")
+    p.add_argument("--only", choices=["same-model"], default=None,
+                   help="run only section 4 and merge it into the existing results file")
     args = p.parse_args()
-    import os
-
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -138,6 +185,17 @@ def main() -> None:
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})  # fmt: skip
     note = "2 shared cores: absolute times depend on other load on them; ratios are measured in one run"
     out: dict = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "note": note}
+    if args.only == "same-model":
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                same = same_model_vs_trl(args.steps, args.trl_steps, args.trl_threads, Path(tmp))
+        finally:
+            ray.shutdown()
+        old = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+        old["same_model_vs_trl"] = {**same, "machine": out["machine"], "note": note}
+        RESULTS.write_text(json.dumps(old, indent=1))
+        print_same_model(same)
+        return
     try:
         from bench.trl_grpo import trl_tokens_per_s
 
@@ -169,6 +227,9 @@ def main() -> None:
             "answer check only (bench/trl_grpo.answer_reward)",
         }
         out["weight_sync"] = [weight_sync_seconds("tiny"), weight_sync_seconds("small")]
+        with tempfile.TemporaryDirectory() as tmp:
+            out["same_model_vs_trl"] = same_model_vs_trl(args.steps, args.trl_steps, args.trl_threads,
+                                                         Path(tmp))
     finally:
         ray.shutdown()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -189,6 +250,13 @@ def main() -> None:
     for w in out["weight_sync"]:
         mb = w["bytes"] / 1e6
         print(f"weight sync {w['preset']}: {mb:.1f} MB to {w['workers']} workers, {w['median_s']:.2f} s")
+    print_same_model(out["same_model_vs_trl"])
+
+
+def print_same_model(same: dict) -> None:
+    print(f"same model ({same['model'].split(',')[0]}): RL tokens/s ours {same['ours_tokens_per_s']:.0f}, "
+          f"TRL GRPOTrainer {same['trl_tokens_per_s']:.0f}: {same['ratio_ours_over_trl']:.2f}x "
+          "(goal >= 1.5x)")
     print(f"-> {RESULTS}")
 
 

@@ -67,8 +67,9 @@ def answer_reward(completions: list[str], answer: list[float], **_: Any) -> list
     return out
 
 
-def trl_tokens_per_s(cfg: Any, steps: int, threads: int) -> dict[str, Any]:
-    """Run `steps` GRPOTrainer steps on CPU with `threads` torch threads -> tokens/s over steps 2..steps."""
+def trl_tokens_per_s(cfg: Any, steps: int, threads: int, model_dir: str | None = None) -> dict[str, Any]:
+    """Run `steps` GRPOTrainer steps on CPU with `threads` torch threads -> tokens/s over steps 2..steps.
+    model_dir: an HF checkpoint to train (the same-model comparison); None = `llama_like` of cfg's preset."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -87,6 +88,10 @@ def trl_tokens_per_s(cfg: Any, steps: int, threads: int) -> dict[str, Any]:
     tok = load_tokenizer()
     longest = max(len(tok(text=r["prompt"])["input_ids"]) for r in rows)
     model, active = llama_like(OdysseyConfig.from_preset(cfg.model.preset), longest + ro.max_new_tokens)
+    if model_dir is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
     model.generation_config.eos_token_id = stop_token_ids(tok)
 
     class StepClock(TrainerCallback):
@@ -150,7 +155,7 @@ def trl_tokens_per_s(cfg: Any, steps: int, threads: int) -> dict[str, Any]:
     per_step = [b[1] - a[1] for a, b in zip(clock.marks, clock.marks[1:])]
     return {
         "trainer": "trl.GRPOTrainer (HF generate, CPU, fp32)",
-        "model": "LlamaForCausalLM (bench.vs_llama.llama_like)",
+        "model": f"{type(model).__name__} ({model_dir or 'bench.vs_llama.llama_like'})",
         "model_parameters": sum(p.numel() for p in model.parameters()),
         "odyssey_active_parameters": active,
         "torch_threads": threads,

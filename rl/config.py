@@ -105,12 +105,19 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """The policy: a `model.config` preset plus field overrides (validated against OdysseyConfig)."""
+    """The policy: a `model.config` preset plus field overrides (validated against OdysseyConfig), or any
+    Hugging Face causal LM checkpoint (`hf_path`; docs/hf.md "Training any Hugging Face causal LM")."""
 
     preset: str = "tiny"
     overrides: dict[str, Any] = Field(default_factory=dict)
     dtype: Literal["float32", "bfloat16"] = "float32"
     init_from: str | None = None  # a saved checkpoint directory; None = fresh init from learner.seed
+    hf_path: str | None = None  # a local HF causal LM checkpoint directory (Llama, Qwen2/3, Qwen3-MoE, ...)
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The directory the policy loads from (hf_path or init_from), or None for a fresh preset."""
+        return self.hf_path or self.init_from
 
 
 class DatasetSection(_Section):
@@ -325,7 +332,8 @@ class RunConfig(_Section):
             _budget_problems(self)
             + _orchestrator_problems(self.orchestrator)
             + _init_from_problems(self.model)
-            + _model_problems(self.model)
+            + _hf_problems(self)
+            + (_model_problems(self.model) if not is_hf_policy(self.model) else [])
             + _reward_problems(self.rewards)
             + _env_problems(self.env, self.rewards)
         )
@@ -464,6 +472,66 @@ def _init_from_problems(m: ModelSection) -> list[str]:
     return _preset_vs_checkpoint(m, path)
 
 
+def is_hf_policy(m: ModelSection) -> bool:
+    """The policy is an HF causal LM: model.hf_path, or model.init_from holding a non-Odyssey checkpoint."""
+    if m.hf_path is not None:
+        return True
+    if m.init_from is None:
+        return False
+    try:
+        saved = json.loads((Path(m.init_from).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # _init_from_problems names it
+    return saved.get("model_type") != "odyssey_moe"
+
+
+def _hf_problems(c: RunConfig) -> list[str]:
+    """model.hf_path is a readable HF causal LM checkpoint, and no key asks for what only Odyssey's model
+    has (docs/hf.md "Training any Hugging Face causal LM")."""
+    m, lr = c.model, c.learner
+    out: list[str] = []
+    if m.hf_path is not None:
+        path = Path(m.hf_path).expanduser()
+        fix = ("give a local directory written by transformers' save_pretrained (no hub names: nothing is "
+               "downloaded)")
+        if m.init_from is not None:
+            return [f"model.hf_path and model.init_from are both set ({m.hf_path!r}, {m.init_from!r}); the "
+                    "policy loads from one directory: keep one of them"]
+        if not path.is_dir():
+            return [f"model.hf_path: {m.hf_path!r} is not a directory; {fix}"]
+        if not (path / "config.json").is_file():
+            return [f"model.hf_path: {m.hf_path!r} holds no config.json; {fix}"]
+        try:
+            saved = json.loads((path / "config.json").read_text())
+        except ValueError as e:
+            return [f"model.hf_path: {path / 'config.json'} is not valid JSON ({e}); {fix}"]
+        if saved.get("model_type") == "odyssey_moe":
+            out.append(f"model.hf_path: {m.hf_path!r} is an Odyssey checkpoint; load it with model.init_from")
+    if not is_hf_policy(m):
+        return out
+    where = f"model.hf_path={m.hf_path}" if m.hf_path else f"model.init_from={m.init_from} (an HF checkpoint)"
+    if m.overrides:
+        out.append(f"model.overrides apply to Odyssey presets; with {where} edit the checkpoint's "
+                   "config.json instead, or remove model.overrides")
+    if lr.sequence_chunk_tokens:
+        out.append(f"learner.sequence_chunk_tokens needs Odyssey's model (it carries the KDA/MLA state "
+                   f"between windows); with {where} set it to 0")
+    if lr.context_parallel > 1:
+        out.append(f"learner.context_parallel needs Odyssey's model; with {where} set it to 1")
+    if lr.advantage == "gae" and lr.value_model == "critic":
+        out.append(f"learner.value_model=critic copies an Odyssey trunk; with {where} use value_model=head")
+    try:
+        saved = json.loads((Path(m.checkpoint).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return out
+    vocab = (saved.get("text_config") or saved).get("vocab_size")
+    n_tok = _tokenizer_size()
+    if isinstance(vocab, int) and n_tok is not None and vocab < n_tok:
+        out.append(f"{where}: the model's vocab_size ({vocab}) is smaller than Odyssey's tokenizer ({n_tok} "
+                   f"tokens); token ids would overflow its embedding. Use a model with vocab_size >= {n_tok}")
+    return out
+
+
 def _preset_vs_checkpoint(m: ModelSection, path: Path) -> list[str]:
     """With model.init_from, the checkpoint's architecture is loaded and model.overrides apply on top of it
     (rl/rollout/worker.build_policy). model.preset must then describe the checkpoint: a field where preset +
@@ -472,8 +540,8 @@ def _preset_vs_checkpoint(m: ModelSection, path: Path) -> list[str]:
         from model.config import PRESETS, OdysseyConfig
     except ImportError:
         return []
-    if m.preset not in PRESETS:
-        return []  # _model_problems names it
+    if m.preset not in PRESETS or is_hf_policy(m):
+        return []  # _model_problems names an unknown preset; an HF checkpoint has no preset
     try:
         saved = json.loads((path / "config.json").read_text())
         expected = OdysseyConfig.from_preset(m.preset, **m.overrides)

@@ -350,8 +350,13 @@ def lr_schedule(opt: torch.optim.Optimizer, params: WarmupParams) -> torch.optim
 def build_model(cfg: Any) -> Any:
     """The policy to warm up, in fp32 train mode: `model.init_from` when set, else the preset initialised
     with `learner.seed` (the same weights a rollout worker would build)."""
+    from rl.config import is_hf_policy
     from rl.rollout.worker import WorkerSettings, build_policy
 
+    if is_hf_policy(cfg.model):
+        raise ValueError(f"the SFT warm-up runs on Odyssey's model only (its packed prefix cache); "
+                         f"{cfg.model.checkpoint} is a Hugging Face checkpoint: fine-tune it with its own "
+                         "tools (e.g. TRL's SFTTrainer) and pass the result as model.hf_path")
     settings = dataclasses.replace(WorkerSettings.from_config(cfg), dtype="float32")
     return build_policy(settings).float().train()
 

@@ -352,6 +352,14 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory) -> str:
+    """A saved small random HF Llama (model.hf_path)."""
+    from tests.test_hf_policy import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
 def two_column_data(tmp_path_factory) -> str:
     rows = [
         {"prompt": f"p{i}", "question": f"q{i}", "answer": str(i), "solution": f"s{i}"} for i in range(30)
@@ -370,6 +378,7 @@ PROBES: dict[str, Probe] = {
     "model.overrides": Probe("model.overrides={num_hidden_layers: 4}", policy),
     "model.dtype": Probe("model.dtype=bfloat16", policy),
     "model.init_from": Probe("model.init_from=<checkpoint>", policy),
+    "model.hf_path": Probe("model.hf_path=<hf_checkpoint>", policy),
     # env
     "env.id": Probe("env.id=reasoning-gym/basic_arithmetic", worker_env, RG),
     "env.kwargs": Probe("env.kwargs={verifier: exact-match}", worker_env),
@@ -552,9 +561,10 @@ def _load(overrides: list[str], fill: dict[str, str], start: str = "quickstart")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("key", list(PROBES))
-def test_key_has_an_effect(key, checkpoint, two_column_data, tmp_path):
+def test_key_has_an_effect(key, checkpoint, hf_checkpoint, two_column_data, tmp_path):
     probe = PROBES[key]
-    fill = {"checkpoint": checkpoint, "two_column_data": two_column_data, "tmp": str(tmp_path)}
+    fill = {"checkpoint": checkpoint, "hf_checkpoint": hf_checkpoint, "two_column_data": two_column_data,
+            "tmp": str(tmp_path)}
     base = _load(list(probe.base), fill, probe.start)
     changed = _load([*probe.base, probe.override], fill, probe.start)
     name = probe.override.split("=", 1)[0]

@@ -299,9 +299,10 @@ def test_unknown_architecture_is_named(tmp_path):
     require_vllm()
     from rl.rollout.vllm_engine import VllmEngine
 
-    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
-    (tmp_path / "config.json").write_text(json.dumps(llama))
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM.*serves only OdysseyForCausalLM"):
+    # HF causal LMs are served (tests/test_hf_policy_vllm.py); an encoder is not
+    bert = {"model_type": "bert", "architectures": ["BertModel"]}
+    (tmp_path / "config.json").write_text(json.dumps(bert))
+    with pytest.raises(ValueError, match=r"BertModel.*serves OdysseyForCausalLM checkpoints and HF causal"):
         VllmEngine(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
         VllmEngine(str(tmp_path / "nowhere"))

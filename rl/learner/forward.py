@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.context_parallel import context_parallel_forward, gather_shards, shard_bounds
+from model.hf_policy import HFPolicy
 from model.modeling import OdysseyForCausalLM
 from model.sequence_chunks import chunked_forward
 from model.vision import ImagePatches
@@ -82,9 +83,10 @@ def head_logprobs(
 
 
 class TrainModule(nn.Module):
-    """The trained parameters: `policy` (OdysseyForCausalLM) and `value` (ValueHead | Critic | None)."""
+    """The trained parameters: `policy` (OdysseyForCausalLM, or any HF causal LM as an HFPolicy) and `value`
+    (ValueHead | Critic | None)."""
 
-    def __init__(self, policy: OdysseyForCausalLM, value: ValueHead | Critic | None = None,
+    def __init__(self, policy: OdysseyForCausalLM | HFPolicy, value: ValueHead | Critic | None = None,
                  sequence_chunk_tokens: int = 0, context_parallel_group=None) -> None:
         super().__init__()
         self.policy = policy
@@ -97,6 +99,12 @@ class TrainModule(nn.Module):
         if sequence_chunk_tokens and isinstance(value, Critic):
             raise ValueError("learner.sequence_chunk_tokens does not chunk a separate critic's trunk; use "
                              "learner.value_model=head with sequence chunking, or sequence_chunk_tokens=0")
+        if isinstance(policy, HFPolicy) and (sequence_chunk_tokens or context_parallel_group is not None
+                                             or isinstance(value, Critic)):
+            raise ValueError("learner.sequence_chunk_tokens, learner.context_parallel and the separate "
+                             "critic need Odyssey's model; with an HF model (model.hf_path) set "
+                             "sequence_chunk_tokens=0, "
+                             "context_parallel=1 and value_model=head")
         mc = policy.config
         if sequence_chunk_tokens and mc.balancing == "aux_loss" and mc.n_routed_experts:
             raise ValueError("learner.sequence_chunk_tokens cannot compute the MoE auxiliary balancing loss "
@@ -200,7 +208,13 @@ class TrainModule(nn.Module):
                targets: torch.Tensor, return_routed: bool, values: bool, images: ImagePatches | None = None
                ) -> ForwardOut:
         """`forward` in one pass over the whole micro-batch (with its images, if any)."""
-        h, _, routed, aux = self.policy.model(ids, cu, None, rep, return_routed, images)
+        if isinstance(self.policy, HFPolicy):  # packed via position_ids (model/hf_policy.py); no routing
+            if images is not None:
+                raise ValueError("a Hugging Face policy (model.hf_path) reads text only; these trajectories "
+                                 "hold images: train them with an Odyssey preset (model.preset)")
+            h, routed, aux = self.policy.packed_hidden(ids, cu), None, None
+        else:
+            h, _, routed, aux = self.policy.model(ids, cu, None, rep, return_routed, images)
         hs = h[pos]
         logp, entropy = head_logprobs(hs, targets, self.policy.lm_head.weight)
         v = None

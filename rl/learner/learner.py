@@ -140,6 +140,15 @@ def build_policy(cfg) -> torch.nn.Module:
     return build_rollout_policy(settings).float().train()
 
 
+def _is_hf_moe(policy: torch.nn.Module) -> bool:
+    """An HF causal LM (model.hf_policy.HFPolicy) with routed experts in its config."""
+    from model.hf_policy import HFPolicy
+
+    c = policy.config
+    experts = (getattr(c, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return isinstance(policy, HFPolicy) and any(experts)
+
+
 class Learner:
     """Policy optimisation for one rank (module docstring). cfg: rl.config.RunConfig; tokenizer: the one
     whose fingerprint the trajectories must carry (default: the shipped tokenizer, model/assets/tokenizer)."""
@@ -192,16 +201,22 @@ class Learner:
         self.scheduler = build_scheduler(self.optimizer, lc)
         tok = tokenizer if tokenizer is not None else load_tokenizer()
         mc = self.policy.config
+        n_moe = len(self.policy.moe_layer_indices)  # 0 for HF models: their routing is not recorded
         self.facts = ModelFacts(
             vocab_size=mc.vocab_size,
-            n_moe_layers=len(self.policy.moe_layer_indices),
-            n_experts=mc.n_routed_experts,
-            top_k=mc.num_experts_per_tok,
+            n_moe_layers=n_moe,
+            n_experts=mc.n_routed_experts if n_moe else 0,
+            top_k=mc.num_experts_per_tok if n_moe else 0,
             tokenizer=tokenizer_fingerprint(tok),
             vision_patch_size=mc.vision_patch_size,
         )
         self.autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
         self.replay = lc.routing_replay and self.facts.n_moe_layers > 0  # R3 (a dense model has no routing)
+        if lc.routing_replay and _is_hf_moe(self.policy):
+            name = type(self.policy.hf).__name__
+            warnings.warn(f"learner.routing_replay does not apply to {name} (an HF MoE "
+                          "model): its rollout routing is not recorded, so the learner routes freely and "
+                          "reports no moe/ or routing metrics (docs/hf.md)", stacklevel=2)
         self.policy_steps = 0  # completed step() / update() calls
         self.optimizer_steps = 0
 

@@ -23,7 +23,8 @@ weights before their next token is sampled. Every sampled token records the vers
 whose logits it was drawn from (`GenerationResult.token_versions`); recorded routing and log-probs
 of earlier tokens stay those of the weights that produced them.
 
-TorchEngine: OdysseyForCausalLM in fp32 (CPU or GPU), no padding anywhere:
+TorchEngine: OdysseyForCausalLM (or any HF causal LM through model.hf_policy.HFPolicy, whose KV cache has
+one row per sequence and pads only inside a batched decode step) in fp32 (CPU or GPU), no padding anywhere:
 - prefill is packed (cu_seqlens) and chunked: at most `prefill_chunk_size` tokens per forward, with
   logits only at the positions that are sampled from, so a 100K-token observation never builds a
   [T, T] or [T, vocab] tensor (the model's packed forward is causal per sequence, so chunked
@@ -508,6 +509,7 @@ class TorchEngine:
             logits, routed, cache = self._forward(ids, cu, cache, None)
             self.stats["decode_tokens"] += n
             sampling = []
+            fed_last = [s.flushing for s in running]  # this step fed the stopping token: the flush is done
             for i, s in enumerate(running):
                 if routed is not None:
                     s.routed.append(routed[i : i + 1])
@@ -517,7 +519,8 @@ class TorchEngine:
                 self._sample([running[i] for i in sampling], logits[sampling])
             keep = []
             for i, s in enumerate(running):
-                if s.flushing and len(s.routed) == len(s.tokens):
+                if fed_last[i]:
+                    assert routed is None or len(s.routed) == len(s.tokens)
                     self._leave(s, _select(cache, [i]), logits[i])
                     finished.append(s)
                 else:
@@ -649,6 +652,8 @@ class TorchEngine:
 
 # ---------------------------------------------------------------------- model adapters
 def _empty_cache(model: torch.nn.Module, n: int) -> Any:
+    if hasattr(model, "empty_cache"):  # model.hf_policy.HFPolicy: its own KV rows
+        return model.empty_cache(n)
     from model.cache import OdysseyCache
 
     p = next(model.parameters())
@@ -658,9 +663,7 @@ def _empty_cache(model: torch.nn.Module, n: int) -> Any:
 def _concat(caches: list[Any]) -> Any:
     if len(caches) == 1:
         return caches[0]
-    from model.cache import OdysseyCache
-
-    return OdysseyCache.concat(caches)
+    return type(caches[0]).concat(caches)  # OdysseyCache | HFPackedCache
 
 
 def _select(cache: Any, indices: list[int]) -> Any:
@@ -683,6 +686,9 @@ def _packed_forward(
     so a prefill chunk never builds [T, vocab]. images: ImagePatches over input_ids positions, or None.
     Returns (logits, routed [T, n_moe, k] | None, new cache).
     """
+    if hasattr(model, "packed_logits"):  # model.hf_policy.HFPolicy (any HF causal LM): no routing
+        logits, cache = model.packed_logits(input_ids, cu_seqlens, cache, logit_index)
+        return logits, None, cache
     backbone = getattr(model, "model", None)
     if backbone is None or not hasattr(model, "head_logits"):  # not an OdysseyForCausalLM: full forward
         kw = {"images": images} if images is not None else {}

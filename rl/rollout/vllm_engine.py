@@ -28,6 +28,10 @@ plugin, see model/vllm_plugin/moe.py) between engine steps, and resets the prefi
 requests, which vLLM then recomputes with the new weights: no block computed with stale weights survives.
 A multi-process engine (the core in its own process) gets the same reload from a torch.save file.
 
+Any HF causal LM checkpoint (model.hf_path; docs/hf.md) runs on vLLM's own model code for its architecture
+(Llama, Qwen2/3, Qwen3-MoE, ...) instead of the plugin: no R3 routing is recorded for it (results carry
+None, as TorchEngine's do for an HFPolicy), and weights sync by their checkpoint names.
+
 Worker-side code (routing, timing, reloads from a file) is called by method name through vLLM's
 ``worker_extension_cls`` (model/vllm_plugin/worker_extension.py), so in-process and multi-process engines
 run the same way.
@@ -63,18 +67,46 @@ ARCHITECTURE = "OdysseyForCausalLM"
 
 
 def _read_model_config(model_dir: str) -> dict:
-    """config.json of an `OdysseyForCausalLM.save_pretrained` directory, with clear errors otherwise."""
+    """config.json of a `save_pretrained` directory (OdysseyForCausalLM, or an HF causal LM), with clear
+    errors otherwise."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"VllmEngine: {path} does not exist; give the directory written by "
-                                "OdysseyForCausalLM.save_pretrained (config.json + model.safetensors)")
+                                "save_pretrained (config.json + model.safetensors)")
     cfg = json.loads(path.read_text())
     archs = cfg.get("architectures") or []
-    if cfg.get("model_type") != "odyssey_moe" or ARCHITECTURE not in archs:
-        raise ValueError(f"VllmEngine: {path} describes architecture {archs or None} (model_type "
-                         f"{cfg.get('model_type')!r}); VllmEngine serves only {ARCHITECTURE} (model_type "
-                         "'odyssey_moe') checkpoints saved by OdysseyForCausalLM.save_pretrained")
+    if cfg.get("model_type") == "odyssey_moe":
+        if ARCHITECTURE not in archs:
+            raise ValueError(f"VllmEngine: {path} has model_type 'odyssey_moe' but architectures "
+                             f"{archs or None}; save it with OdysseyForCausalLM.save_pretrained")
+    elif not any(a.endswith("ForCausalLM") for a in archs):
+        raise ValueError(f"VllmEngine: {path} describes architectures {archs or None} (model_type "
+                         f"{cfg.get('model_type')!r}); VllmEngine serves {ARCHITECTURE} checkpoints and HF "
+                         "causal LMs (an architecture named *ForCausalLM)")
     return cfg
+
+
+def _hf_checkpoint_names(model_dir: str, cfg: dict) -> set[str]:
+    """Tensor names of an HF checkpoint directory (model.safetensors or its index), plus lm_head.weight
+    when the head is tied to the embedding (HF's state_dict lists it; vLLM skips it when loading)."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        names = set(json.loads(index.read_text())["weight_map"])
+    else:
+        from safetensors import safe_open
+
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"VllmEngine: no *.safetensors in {d}; save the model with "
+                                    "save_pretrained")
+        names = set()
+        for f in files:
+            with safe_open(str(f), "pt") as h:
+                names |= set(h.keys())
+    if cfg.get("tie_word_embeddings") or (cfg.get("text_config") or {}).get("tie_word_embeddings"):
+        names.add("lm_head.weight")
+    return names
 
 
 def _start_hint(err: BaseException, kwargs: dict) -> str:
@@ -142,7 +174,8 @@ class VllmEngine:
         self._base_seed = seed
         self._seed_seq = itertools.count()
         self._version = int(weight_version)
-        self._moe = int(cfg.get("n_routed_experts", 0) or 0) > 0
+        self.odyssey = cfg.get("model_type") == "odyssey_moe"  # else an HF causal LM on vLLM's own code
+        self._moe = self.odyssey and int(cfg.get("n_routed_experts", 0) or 0) > 0
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             import vllm  # noqa: F401
@@ -170,9 +203,10 @@ class VllmEngine:
             skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs",
             seed=seed,
-            hf_overrides=plugin.attention_hf_overrides(cfg),
             worker_extension_cls=WORKER_EXTENSION,  # the odyssey_* methods called below by name
         )
+        if self.odyssey:
+            kwargs["hf_overrides"] = plugin.attention_hf_overrides(cfg)
         kwargs.update(engine_kwargs)
         t0 = time.perf_counter()
         try:
@@ -193,8 +227,11 @@ class VllmEngine:
         from model.vllm_plugin import routing
 
         self._routing = routing
-        self.llm.collective_rpc("odyssey_install_routing")
-        self._param_names = set(self.llm.collective_rpc("odyssey_checkpoint_names")[0])
+        if self.odyssey:
+            self.llm.collective_rpc("odyssey_install_routing")
+            self._param_names = set(self.llm.collective_rpc("odyssey_checkpoint_names")[0])
+        else:
+            self._param_names = _hf_checkpoint_names(self.model_dir, cfg)
         self._lock = threading.Lock()  # one engine call at a time (steps, weight updates)
         # vLLM's CPU attention checks that its metadata and its kernel see the same OpenMP thread count,
         # an ICV of the calling thread: every thread that steps the engine is pinned to this process's
@@ -225,8 +262,8 @@ class VllmEngine:
         unexpected = sorted(set(state_dict) - self._param_names)
         if missing or unexpected:
             raise ValueError(f"update_weights: state_dict does not match the model: missing={missing[:5]} "
-                             f"unexpected={unexpected[:5]} (pass OdysseyForCausalLM.state_dict() of the same "
-                             "config)")
+                             f"unexpected={unexpected[:5]} (pass the state_dict() of the same model: "
+                             "OdysseyForCausalLM or HFPolicy)")
         t0 = time.perf_counter()
         with self._lock:
             if self._in_process:
@@ -304,6 +341,9 @@ class VllmEngine:
 
     def worker_timing(self) -> dict[str, float]:
         """Seconds spent in the model runner's execute_model and in the model's forward (cumulative)."""
+        if not self.odyssey:
+            raise ValueError("worker_timing is recorded by the Odyssey plugin's model only; this engine runs "
+                             "an HF causal LM on vLLM's own code (use stats['forward_s'] instead)")
         with self._lock:
             return self.llm.collective_rpc("odyssey_timing")[0]
 
@@ -439,8 +479,10 @@ class VllmEngine:
                 self.core.abort_request(live)
             if not done:
                 return []
-            taken = self.llm.collective_rpc("odyssey_take_routing", args=([r.int_id for r in done],))[0]
-            rows = pickle.loads(taken)
+            rows = {}
+            if self.odyssey:
+                taken = self.llm.collective_rpc("odyssey_take_routing", args=([r.int_id for r in done],))[0]
+                rows = pickle.loads(taken)
             return [(r, self._result(r, rows.get(r.int_id))) for r in done]
 
     def _take_tokens(self, r: _VReq, token_ids: list[int], logprobs: Any) -> None:
@@ -493,4 +535,6 @@ class VllmEngine:
         if ids:
             with self._lock:
                 self.core.abort_request(ids)
-                self.llm.collective_rpc("odyssey_take_routing", args=([r.int_id for r in reqs if r.int_id],))
+                if self.odyssey:
+                    self.llm.collective_rpc("odyssey_take_routing",
+                                            args=([r.int_id for r in reqs if r.int_id],))

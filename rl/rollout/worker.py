@@ -47,7 +47,7 @@ class WorkerSettings:
 
     env_id / env_kwargs: `envs.make(env_id, sandbox_pool=..., **env_kwargs)`.
     model_preset / model_overrides / checkpoint / dtype: the policy (the checkpoint dir, with model_overrides
-    applied to its config, when set;
+    applied to its config, when set; a non-Odyssey checkpoint, model.hf_path, loads as an HF causal LM;
     otherwise a freshly initialised preset seeded with `init_seed`, so every worker holds the same
     weights). seed: the engine's base seed (requests carry their own; see rl/rollout/tasks.py).
     engine: "torch" (TorchEngine) or "vllm" (VllmEngine on the plugin; `build_engine`).
@@ -89,7 +89,7 @@ class WorkerSettings:
             env_kwargs=env_kwargs,
             model_preset=cfg.model.preset,
             model_overrides=dict(cfg.model.overrides),
-            checkpoint=cfg.model.init_from,
+            checkpoint=cfg.model.hf_path or cfg.model.init_from,
             dtype=cfg.model.dtype,
             init_seed=cfg.learner.seed,
             seed=r.seed,
@@ -113,13 +113,20 @@ class WorkerSettings:
 
 
 def build_policy(settings: WorkerSettings) -> Any:
-    """The policy in eval mode: from `checkpoint`, or a preset initialised with seed `settings.init_seed`."""
+    """The policy in eval mode: from `checkpoint` (an Odyssey checkpoint, or any HF causal LM checkpoint,
+    wrapped in model.hf_policy.HFPolicy), or a preset initialised with seed `settings.init_seed`."""
     import torch
 
     from model.config import OdysseyConfig
+    from model.hf_policy import HFPolicy, is_odyssey_checkpoint
     from model.modeling import OdysseyForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
+    if settings.checkpoint and not is_odyssey_checkpoint(settings.checkpoint):
+        if settings.model_overrides:
+            raise ValueError("model.overrides apply to Odyssey models only; edit the HF checkpoint's "
+                             "config.json instead, or remove model.overrides")
+        return HFPolicy.from_pretrained(settings.checkpoint, dtype=dtype).to(dtype).eval()
     if settings.checkpoint:  # model.overrides apply on top of the checkpoint's config (e.g. balancing=none)
         overrides = settings.model_overrides
         model = OdysseyForCausalLM.from_pretrained(settings.checkpoint, dtype=dtype, **overrides)

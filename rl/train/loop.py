@@ -161,10 +161,14 @@ class Trainer:
         self.state.counters[key] = self.state.counters.get(key, 0) + n
 
     def _worker_settings(self) -> WorkerSettings:
+        from rl.config import is_hf_policy
+
         s = WorkerSettings.from_config(self.cfg, store_dir=None)  # the driver stores: no shared disk
-        # weights come from the learner (weight sync), so workers need no access to model.init_from
+        # weights come from the learner (weight sync), so workers need no access to model.init_from; an HF
+        # model's architecture is only in its checkpoint, so workers read model.hf_path (same path)
         return dataclasses.replace(
-            s, checkpoint=None, torch_threads=torch_threads(self.cfg.orchestrator.rollout_resources)
+            s, checkpoint=s.checkpoint if is_hf_policy(self.cfg.model) else None,
+            torch_threads=torch_threads(self.cfg.orchestrator.rollout_resources),
         )
 
     def _spawn(self, worker_id: int) -> tuple[Any, Any]:

@@ -1,0 +1,369 @@
+"""Any Hugging Face causal LM as the policy: the packed interface the learner and TorchEngine use.
+
+    policy = HFPolicy.from_pretrained("ckpt/llama")                  # AutoModelForCausalLM inside
+    h = policy.packed_hidden(input_ids [T], cu_seqlens [N+1])         # [T, D], no cross-sequence attention
+    lp = policy.token_logprobs(input_ids [T], targets [T], cu_seqlens) # [T] fp32
+    cache = policy.empty_cache(2)                                    # TorchEngine: one KV row per sequence
+    logits, cache = policy.packed_logits(ids, cu_seqlens, cache)     # [T | len(logit_index), V] fp32
+
+Packing (the learner): the sequences of a micro-batch are concatenated into one row [1, T] with
+`position_ids` restarting at 0 at every `cu_seqlens` boundary (per-sequence rotary positions) and the
+boundaries passed as `cu_seq_lens_q/k`, transformers' varlen kwargs. With a flash-attention implementation
+(GPU) its varlen kernel runs. An sdpa / eager model (CPU) of full-attention layers is switched to the
+attention implementation "odyssey_packed_sdpa" (`packed_sdpa` + `packed_mask`, registered with
+transformers): given `cu_seq_lens_q` it runs causal SDPA per sequence, O(sum L_i^2) work and no [T, T] mask
+(transformers' own fallback for packed position_ids builds a block-diagonal [T, T] mask: 16x the work at 16
+sequences of 1K tokens); without it, it is transformers' sdpa (generate, padding, KV cache). No padding, and
+a token never attends to another sequence (tested against a per-sequence loop on an independent eager model).
+
+Decoding (TorchEngine): `HFPackedCache` keeps one row per sequence, each a tuple over layers of (K, V)
+[1, H_kv, L, D_h]. A forward never mutates the cache passed in; it returns a new one. A decode step (one new
+token per row) runs as one batched forward: the rows' K/V right-padded to the longest, a 2-D padding mask and
+each row's own position; its result stays batched (`BatchedKV`) for the next step, so consecutive decode
+steps copy no rows, and rows are cut out only when sequences join or leave. Prefill chunks run row by row.
+
+Parameter names are the HF checkpoint's (`model.…`, `lm_head.weight`): the wrapper registers the HF model's
+two children under their own names, so `state_dict()` feeds vLLM's own model code and `save_pretrained`
+writes a checkpoint any HF tool reads.
+
+What does not apply (Odyssey's own model only): routing replay (R3) and expert-load metrics (an HF MoE's
+router is not recorded), sequence-chunked and context-parallel forwards, the balancing-bias update.
+`moe_layer_indices` is empty, so the learner and the engines treat the policy as dense for routing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ODYSSEY_MODEL_TYPE = "odyssey_moe"
+
+
+def is_odyssey_checkpoint(path: str | Path) -> bool:
+    """True when `path`/config.json was written by OdysseyForCausalLM (model_type 'odyssey_moe')."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return cfg.get("model_type") == ODYSSEY_MODEL_TYPE
+
+
+PACKED_ATTENTION = "odyssey_packed_sdpa"
+
+
+def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention interface of "odyssey_packed_sdpa". A packed call (HFPolicy.packed_hidden): one
+    row, query [1, H, T, D], key / value [1, H_kv, T, D], kwargs["cu_seq_lens_q"] int [N+1], no mask
+    (packed_mask gives none) -> (output [1, T, H, D], None): causal SDPA per sequence (GQA by enable_gqa).
+    Any other call (generate, padding, KV cache) is transformers' sdpa_attention_forward."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    if cu is None:  # not packed: transformers' sdpa (its mask, or causal when there is none)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if attention_mask is not None or query.shape[0] != 1:
+        raise ValueError(f"{PACKED_ATTENTION}: a packed call (cu_seq_lens_q) takes one row and no mask; got "
+                         f"batch {query.shape[0]}, mask {attention_mask is not None}")
+    bounds = cu.tolist()
+    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                           scale=scaling, dropout_p=dropout if module.training else 0.0,
+                                           enable_gqa=key.shape[1] != query.shape[1])
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
+
+
+def packed_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """transformers mask interface of "odyssey_packed_sdpa": None (causal, applied by packed_sdpa per
+    sequence or by SDPA's is_causal) when there is no padding mask and no cache offset; else sdpa's mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and int(q_offset) == 0 and int(kv_offset) == 0 and q_length == kv_length:
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
+
+
+def _use_packed_attention(config) -> bool:
+    """Switch an sdpa / eager model of full-attention layers to "odyssey_packed_sdpa" (registered here).
+    Flash-attention models keep their varlen kernels; sliding-window models keep transformers' masks."""
+    from transformers import AttentionInterface
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if config._attn_implementation not in ("sdpa", "eager", PACKED_ATTENTION):
+        return False
+    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=config).layers):
+        return False
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, packed_mask)
+    config._attn_implementation = PACKED_ATTENTION
+    return True
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens int [N+1] -> position of each token within its sequence, int64 [cu_seqlens[-1]]."""
+    cu = cu_seqlens.to(torch.long)
+    lens = cu[1:] - cu[:-1]
+    T = int(cu[-1])
+    starts = torch.repeat_interleave(cu[:-1], lens, output_size=T)
+    return torch.arange(T, device=cu.device) - starts
+
+
+@dataclass(frozen=True)
+class BatchedKV:
+    """Rows decoded together, kept batched between decode steps: per layer (K, V) [N, H_kv, W, D_h] and
+    valid bool [N, W] (row i's tokens are its valid columns, in order; a shorter row has padding columns)."""
+
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    valid: torch.Tensor
+
+
+class HFPackedCache:
+    """KV cache of N sequences for TorchEngine: `rows` (row i: per layer (K, V) [1, H_kv, L_i, D_h], or None
+    for an empty row) or, straight out of a batched decode step, `batch` (BatchedKV; rows are cut out of it
+    only when asked for: select / concat / a prefill). Immutable: forwards return new caches."""
+
+    def __init__(self, rows: tuple | None = None, batch: BatchedKV | None = None) -> None:
+        if (rows is None) == (batch is None):
+            raise ValueError("HFPackedCache takes rows or batch, exactly one")
+        self._rows, self.batch = rows, batch
+
+    @classmethod
+    def empty(cls, n: int) -> HFPackedCache:
+        return cls(rows=(None,) * n)
+
+    @property
+    def rows(self) -> tuple:
+        if self._rows is None:  # cut each row's valid columns out of the batch (a copy where it has padding)
+            rows = []
+            for i, ok in enumerate(self.batch.valid):
+                idx = None if bool(ok.all()) else ok.nonzero().squeeze(1)
+                rows.append(tuple((k[i:i + 1], v[i:i + 1]) if idx is None else
+                                  (k[i:i + 1].index_select(2, idx), v[i:i + 1].index_select(2, idx))
+                                  for k, v in self.batch.layers))
+            self._rows = tuple(rows)
+        return self._rows
+
+    @property
+    def lengths(self) -> list[int]:
+        if self._rows is None:
+            return self.batch.valid.sum(1).tolist()
+        return [0 if r is None else int(r[0][0].shape[-2]) for r in self._rows]
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._rows is not None else int(self.batch.valid.shape[0])
+
+    def select(self, indices: list[int]) -> HFPackedCache:
+        return HFPackedCache(rows=tuple(self.rows[i] for i in indices))
+
+    @staticmethod
+    def concat(caches: list[HFPackedCache]) -> HFPackedCache:
+        return HFPackedCache(rows=tuple(r for c in caches for r in c.rows))
+
+
+class HFPolicy(nn.Module):
+    """A transformers causal LM (`model` trunk + `lm_head`, e.g. Llama, Qwen2/3, Qwen3-MoE) with the packed
+    interface of OdysseyForCausalLM that the learner and TorchEngine need (module docstring)."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        names = {n for n, _ in hf.named_children()}
+        if getattr(hf, "base_model_prefix", None) != "model" or names != {"model", "lm_head"}:
+            raise ValueError(
+                f"HFPolicy needs a causal LM made of a `model` trunk and an `lm_head` (Llama, Qwen2/3, "
+                f"Mistral, Qwen3-MoE, ...); {type(hf).__name__} has children {sorted(names)} and base prefix "
+                f"{getattr(hf, 'base_model_prefix', None)!r}. Use a checkpoint of such an architecture"
+            )
+        cfg = hf.config
+        odd = {k: getattr(cfg, k) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+               if getattr(cfg, k, None) not in (None, 1, 1.0)}
+        if odd or getattr(hf.lm_head, "bias", None) is not None:
+            raise ValueError(
+                f"HFPolicy computes logits as lm_head.weight @ h; {type(hf).__name__} transforms them "
+                f"({odd or 'lm_head has a bias'}), which the learner's chunked LM head would not reproduce. "
+                "Use a model whose logits are a plain linear head"
+            )
+        self.__dict__["hf"] = hf  # not registered: its two children are, under their own names
+        self.model = hf.model
+        self.lm_head = hf.lm_head
+        self.config = cfg
+        self.moe_layer_indices: list[int] = []  # routing is not recorded for HF models (no R3)
+        self.packed_attention = _use_packed_attention(cfg)
+        self.train(hf.training)
+
+    # ---- construction and files ------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> HFPolicy:
+        """Load an HF causal LM checkpoint directory (no hub access: a local path only)."""
+        from transformers import AutoModelForCausalLM
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} holds no config.json: not a saved Hugging Face checkpoint; give "
+                                    "a directory written by save_pretrained")
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        return cls(hf)
+
+    def save_pretrained(self, path: str | Path, **kwargs) -> None:
+        """The HF checkpoint (config.json + safetensors), loadable by transformers and vLLM."""
+        self.hf.save_pretrained(str(path), **kwargs)
+
+    def train(self, mode: bool = True) -> HFPolicy:
+        super().train(mode)
+        self.hf.training = mode  # HF's gradient checkpointing reads the wrapped model's flag
+        return self
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each decoder layer's activations in the backward (transformers' own checkpointing)."""
+        self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    # ---- packed forward (learner) ---------------------------------------------------------------
+    def packed_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """input_ids [T], cu_seqlens int [N+1] (0 .. T) -> last hidden states [T, D]; each sequence attends
+        only to itself, with positions from 0."""
+        if input_ids.dim() != 1 or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
+            raise ValueError(f"packed input: input_ids must be [T] and cu_seqlens run from 0 to T; got "
+                             f"input_ids {tuple(input_ids.shape)}, cu_seqlens {cu_seqlens.tolist()[:8]}")
+        cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+        pos = positions_from_cu_seqlens(cu)
+        lens = cu[1:] - cu[:-1]
+        longest = int(lens.max())
+        varlen = {}
+        if self.packed_attention or self.config._attn_implementation.startswith("flash"):
+            varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        # else (sliding-window sdpa/eager): transformers builds a block-diagonal mask from position_ids
+        out = self.model(input_ids=input_ids[None], position_ids=pos[None], use_cache=False, **varlen)
+        return out.last_hidden_state[0]
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., D] -> logits [..., V] (model dtype)."""
+        return F.linear(h, self.lm_head.weight)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Packed logits [T, V] (model dtype). For long inputs prefer packed_hidden + a chunked head."""
+        return self.head_logits(self.packed_hidden(input_ids, cu_seqlens))
+
+    def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor,
+                       cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(targets[t] | tokens <= t of t's sequence), fp32 [T]. cu_seqlens None = one sequence."""
+        if targets.shape != input_ids.shape:
+            raise ValueError(f"targets must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(targets.shape)}")
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, input_ids.shape[0]], dtype=torch.int32, device=input_ids.device)
+        from_head = torch.log_softmax(self.forward(input_ids, cu_seqlens).float(), -1)
+        return from_head.gather(-1, targets.to(torch.long)[:, None]).squeeze(-1)
+
+    # ---- cached forward (TorchEngine) -----------------------------------------------------------
+    def empty_cache(self, n: int) -> HFPackedCache:
+        """A cache of n empty rows. Sliding-window layers are refused (their cache drops old tokens, which
+        this row layout does not track)."""
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        layers = DynamicCache(config=self.config).layers
+        if any(type(layer) is not DynamicLayer for layer in layers):
+            kinds = sorted({type(layer).__name__ for layer in layers})
+            raise ValueError(f"TorchEngine's HF cache supports full-attention layers only; this model has "
+                             f"{kinds}. Use rollout.engine=vllm for it")
+        return HFPackedCache.empty(n)
+
+    def packed_logits(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: HFPackedCache,
+                      logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, HFPackedCache]:
+        """Feed sequence i the tokens input_ids[cu[i]:cu[i+1]] after its cache row i. Returns (logits fp32
+        at `logit_index` [M, V] (None: every position [T, V]), the new cache). The input cache is
+        unchanged."""
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        if len(lens) != len(cache):
+            raise ValueError(f"{len(lens)} sequences in cu_seqlens but {len(cache)} cache rows")
+        if len(lens) > 1 and all(n == 1 for n in lens) and min(cache.lengths) > 0:
+            h, new = self._decode_batched(input_ids, cache)
+        else:
+            h, rows = self._per_row(input_ids, lens, cache)
+            new = HFPackedCache(rows=rows)
+        if logit_index is not None:
+            h = h[logit_index]
+        return self.head_logits(h).float(), new
+
+    def _dynamic_cache(self, data) -> object:
+        """A DynamicCache holding the (K, V) pairs of `data` per layer (None: empty) without copying them
+        (DynamicCache(ddp_cache_data=...) concatenates them onto empty tensors: one more copy a step)."""
+        from transformers.cache_utils import DynamicCache
+
+        dc = DynamicCache(config=self.config)
+        for layer, (k, v) in zip(dc.layers, data or ()):
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        return dc
+
+    def _per_row(self, input_ids: torch.Tensor, lens: list[int], cache: HFPackedCache):
+        """The obvious path: one forward per sequence on its own DynamicCache."""
+        hs, rows, start = [], [], 0
+        for n, row, past in zip(lens, cache.rows, cache.lengths):
+            if n == 0:
+                rows.append(row)
+                continue
+            dc = self._dynamic_cache(row)
+            pos = torch.arange(past, past + n, device=input_ids.device)
+            out = self.model(input_ids=input_ids[None, start:start + n], position_ids=pos[None],
+                             past_key_values=dc, use_cache=True)
+            hs.append(out.last_hidden_state[0])
+            rows.append(tuple((layer.keys, layer.values) for layer in dc.layers))
+            start += n
+        w = self.lm_head.weight
+        h = torch.cat(hs) if hs else w.new_zeros(0, w.shape[1])
+        return h, tuple(rows)
+
+    def _decode_batched(self, input_ids: torch.Tensor,
+                        cache: HFPackedCache) -> tuple[torch.Tensor, HFPackedCache]:
+        """One new token per row, in one forward: the rows' K/V batched (as the previous decode step left
+        them, or right-padded to the longest row), a padding mask over [past..., new], position_ids = each
+        row's length. The result stays batched for the next step (no per-row copies)."""
+        if cache.batch is not None:
+            layers, valid = cache.batch.layers, cache.batch.valid
+        else:
+            L = cache.lengths
+            N, Lmax, dev = len(L), max(L), input_ids.device
+            valid = torch.arange(Lmax, device=dev)[None] < torch.tensor(L, device=dev)[:, None]
+            layers = []
+            for j in range(len(cache.rows[0])):
+                ks = [r[j][0] for r in cache.rows]
+                vs = [r[j][1] for r in cache.rows]
+                if min(L) == Lmax:
+                    layers.append((torch.cat(ks), torch.cat(vs)))
+                    continue
+                K = ks[0].new_zeros(N, ks[0].shape[1], Lmax, ks[0].shape[-1])
+                V = vs[0].new_zeros(N, vs[0].shape[1], Lmax, vs[0].shape[-1])
+                for i, (k, v) in enumerate(zip(ks, vs)):
+                    K[i, :, : L[i]] = k[0]
+                    V[i, :, : L[i]] = v[0]
+                layers.append((K, V))
+        dc = self._dynamic_cache(layers)
+        valid = torch.cat([valid, valid.new_ones(valid.shape[0], 1)], 1)
+        mask = None if bool(valid.all()) else valid
+        positions = valid.sum(1, keepdim=True) - 1
+        out = self.model(input_ids=input_ids[:, None], position_ids=positions, attention_mask=mask,
+                         past_key_values=dc, use_cache=True)
+        batch = BatchedKV(tuple((layer.keys, layer.values) for layer in dc.layers), valid)
+        return out.last_hidden_state[:, 0], HFPackedCache(batch=batch)
+
+    # ---- Odyssey-only features: documented no-ops -----------------------------------------------
+    def moe_layers(self) -> list[nn.Module]:
+        """No Odyssey MoE layers: routing replay and expert-load metrics do not apply to HF models."""
+        return []
+
+    def expert_load_metrics(self) -> dict[str, float]:
+        """Empty: expert-load metrics are recorded by Odyssey's LatentMoE only."""
+        return {}
+
+    def update_router_biases(self) -> None:
+        """Nothing to update: HF models have no Odyssey balancing bias (and the learner does not add an
+        HF MoE's auxiliary load-balancing loss)."""
+
+
+__all__ = ["BatchedKV", "HFPolicy", "HFPackedCache", "is_odyssey_checkpoint", "positions_from_cu_seqlens"]
