@@ -33,10 +33,9 @@ def _is_part(p: Any) -> bool:
         return False
     if p.get("type") == "text":
         return isinstance(p.get("text"), str)
-    if p.get("type") == "image":
-        from model.image import PreparedImage
-
-        return isinstance(p.get("image"), (bytes, PreparedImage))
+    if p.get("type") == "image":  # a PreparedImage is recognised by its fields: envs/ imports no model code
+        img = p.get("image")
+        return isinstance(img, bytes) or all(hasattr(img, a) for a in ("pixels", "png", "sha256", "grid"))
     return False
 
 

@@ -131,9 +131,10 @@ class TrainModule(nn.Module):
         pos = mb.scored_pos.to(dev)
         if mb.images is not None and mb.images.n:
             critic_p = self.value.trunk.config.vision_patch_size if isinstance(self.value, Critic) else None
-            if values and critic_p is not None and critic_p != policy.config.vision_patch_size:
+            policy_p = getattr(policy.config, "vision_patch_size", 0)
+            if values and critic_p is not None and critic_p != policy_p:
                 raise ValueError(f"the critic's patch size ({critic_p}) is not the policy's "
-                                 f"({policy.config.vision_patch_size}), so it cannot read this micro-batch's "
+                                 f"({policy_p}), so it cannot read this micro-batch's "
                                  "images; use learner.critic_preset with the policy's vision settings, no "
                                  "critic_preset (a copy of the policy), or value_model=head")
         if self.context_parallel_group is not None:

@@ -208,7 +208,7 @@ class Learner:
             n_experts=mc.n_routed_experts if n_moe else 0,
             top_k=mc.num_experts_per_tok if n_moe else 0,
             tokenizer=tokenizer_fingerprint(tok),
-            vision_patch_size=mc.vision_patch_size,
+            vision_patch_size=int(getattr(mc, "vision_patch_size", 0) or 0),  # 0: HF models read text only
         )
         self.autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
         self.replay = lc.routing_replay and self.facts.n_moe_layers > 0  # R3 (a dense model has no routing)
@@ -407,7 +407,7 @@ class Learner:
     def _collate(self, samples: Sequence[Sample], fields: Sequence[str], routing: bool) -> MicroBatch:
         with_replay = (self.replay or routing) and all(s.replay is not None for s in samples)
         return collate(samples, fields, with_replay=with_replay,
-                       patch_size=self.policy.config.vision_patch_size)
+                       patch_size=self.facts.vision_patch_size)
 
     @torch.no_grad()
     def _first_pass(
