@@ -195,7 +195,11 @@ class Learner:
             with warnings.catch_warnings():  # torch deprecates broadcast_buffers; its replacement is not
                 # equivalent yet (it syncs at init), so keep it and keep every run's log free of the warning
                 warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-                self.ddp = DistributedDataParallel(self.module, broadcast_buffers=False)
+                # the patch embedding takes part only in micro-batches with images: on a text-only batch
+                # (or rank) it gets no gradient, which the reducer must expect
+                vision = getattr(getattr(self.policy, "model", None), "vision", None) is not None
+                self.ddp = DistributedDataParallel(self.module, broadcast_buffers=False,
+                                                   find_unused_parameters=vision)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, lc)
         self.scheduler = build_scheduler(self.optimizer, lc)
