@@ -285,6 +285,24 @@ class Trajectory:
         self.images, self.image_spans = _check_images(self.images, self.image_spans, self.turns, T)
 
     # ---- views -------------------------------------------------------------------------------
+    @classmethod
+    def empty(cls, metadata: dict[str, Any], infra_error: str | None = None, outcome: float | None = None
+              ) -> Trajectory:
+        """A terminated episode with no tokens (the policy never ran, or generated nothing): marked with
+        `infra_error`, or scored `outcome`, so that its sample is still accounted for."""
+        return cls(
+            tokens=np.zeros(0, np.int32),
+            loss_mask=np.zeros(0, np.uint8),
+            rollout_logprobs=np.zeros(0, np.float32),
+            routed_experts=None,
+            turns=[],
+            step_infos=[],
+            outcome=outcome if infra_error is None else None,
+            terminated=True,
+            infra_error=infra_error,
+            metadata=metadata,
+        )
+
     @property
     def n_tokens(self) -> int:
         """T, the total number of tokens (prompt + generated + observations)."""

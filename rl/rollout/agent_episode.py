@@ -24,8 +24,6 @@ import time
 import traceback
 from typing import Any
 
-import numpy as np
-
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig
 from rl.rollout.agent_recorder import EpisodeRecorder
 from rl.rollout.endpoint import PolicyEndpoint
@@ -114,21 +112,6 @@ async def run_agent_episode(
 
 def _empty(infra: str | None, outcome: float | None, rec: EpisodeRecorder, meta: dict) -> Trajectory:
     """The record of an episode in which the policy generated nothing: no tokens to train, still scored
-    (or marked) so that the sample is accounted for."""
+    (0 unless the verifier said otherwise) or marked, so that the sample is accounted for."""
     meta = {**meta, "n_segments": 0, "requests": rec.requests, "n_turns": 0}
-    if infra is None and outcome is None:
-        outcome = 0.0
-    return Trajectory(
-        tokens=np.zeros(0, np.int32),
-        loss_mask=np.zeros(0, np.uint8),
-        rollout_logprobs=np.zeros(0, np.float32),
-        routed_experts=None,
-        turns=[],
-        step_infos=[],
-        outcome=outcome if infra is None else None,
-        terminated=True,
-        truncated=False,
-        infra_error=infra,
-        metadata=meta,
-        token_versions=np.zeros(0, np.int32),
-    )
+    return Trajectory.empty(meta, infra, 0.0 if outcome is None else outcome)

@@ -32,8 +32,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from rewards.compose import RewardMetrics
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
 from rl.rollout.tasks import Sample
@@ -592,20 +590,6 @@ def failed_trajectory(
     error: str, sample: Sample, env_id: str, version: int, metadata: dict | None = None
 ) -> Trajectory:
     """An empty trajectory of `sample` marked `infra_error` (the episode could not run at all)."""
-    return Trajectory(
-        tokens=np.zeros(0, np.int32),
-        loss_mask=np.zeros(0, np.uint8),
-        rollout_logprobs=np.zeros(0, np.float32),
-        routed_experts=None,
-        turns=[],
-        step_infos=[],
-        terminated=True,
-        infra_error=error,
-        metadata={
-            **sample.metadata(),
-            **(metadata or {}),
-            "seed": sample.task.seed,
-            "env_id": env_id,
-            "policy_version": int(version),
-        },
-    )
+    meta = {**sample.metadata(), **(metadata or {}), "seed": sample.task.seed, "env_id": env_id,
+            "policy_version": int(version)}
+    return Trajectory.empty(meta, infra_error=error)
