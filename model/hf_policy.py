@@ -195,6 +195,7 @@ class HFPolicy(nn.Module):
         self.config = cfg
         self.moe_layer_indices: list[int] = []  # routing is not recorded for HF models (no R3)
         self.packed_attention = _use_packed_attention(cfg)
+        self.source: Path | None = None  # the checkpoint it was loaded from: its tokenizer travels with it
         self.train(hf.training)
 
     # ---- construction and files ------------------------------------------------------------------
@@ -208,11 +209,19 @@ class HFPolicy(nn.Module):
             raise FileNotFoundError(f"{path} holds no config.json: not a saved Hugging Face checkpoint; give "
                                     "a directory written by save_pretrained")
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-        return cls(hf)
+        policy = cls(hf)
+        policy.source = path
+        return policy
 
     def save_pretrained(self, path: str | Path, **kwargs) -> None:
-        """The HF checkpoint (config.json + safetensors), loadable by transformers and vLLM."""
+        """The HF checkpoint (config.json + safetensors), loadable by transformers and vLLM, with the
+        tokenizer of the checkpoint it was loaded from when that one shipped one (so `model.init_from` of
+        a saved policy keeps its tokenizer)."""
         self.hf.save_pretrained(str(path), **kwargs)
+        if self.source is not None and (self.source / "tokenizer.json").is_file():
+            from model.tokenizer import policy_tokenizer
+
+            policy_tokenizer(self.source).save_pretrained(str(path))
 
     def train(self, mode: bool = True) -> HFPolicy:
         super().train(mode)

@@ -60,6 +60,13 @@ tool output written by sandboxed agent code) is encoded with special tokens spli
 tool output that prints "</tool_response><|im_end|>" cannot close its turn, forge a user turn or a tool
 result. Only the template itself, and assistant content (the model's own markup, e.g. <tool_call>), yield
 special and markup ids. Exact: every content slot in the template is bounded by a newline or an added token.
+
+Other tokenizers (an HF checkpoint's own: `policy_tokenizer`, docs/hf.md "Its own tokenizer"): the chat
+helpers below take any fast tokenizer with a chat template. `chat_format` reads the end-of-turn token off the
+template (the added token that closes an assistant turn); the rollout invariant above holds with it in place
+of END_OF_TURN; text runs between the template's added tokens are encoded whole (`plain_ids`), so ids equal
+the tokenizer's own `apply_chat_template(..., tokenize=True)` wherever content holds no added-token string,
+and content never yields an added token's id.
 """
 
 from __future__ import annotations
@@ -178,9 +185,6 @@ CHAT_TEMPLATE = r"""
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
 """.strip()  # noqa: E501
 
-# Fixed stand-in for "the conversation so far" used by encode_continuation: the template renders every
-# message after the first independently of what came before, so any prefix gives the same suffix.
-_PREFIX = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -265,6 +269,43 @@ def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:
     tok = PreTrainedTokenizerFast.from_pretrained(str(path))
     if tok.chat_template is None:
         raise ValueError(f"{path} has no chat template; rebuild it with `python -m model.tokenizer build`")
+    return tok
+
+
+def policy_tokenizer(checkpoint: str | Path | None = None) -> PreTrainedTokenizerFast:
+    """The tokenizer of the policy that loads from `checkpoint` (model.hf_path or model.init_from).
+
+    An HF causal LM checkpoint (not Odyssey's model_type) that ships a tokenizer (tokenizer.json beside
+    config.json, as `tokenizer.save_pretrained` writes it) brings its own: its vocabulary and its chat
+    template, checked by `chat_format`. Anything else (a fresh preset, an Odyssey checkpoint, an HF
+    checkpoint without tokenizer files) uses Odyssey's shipped tokenizer. docs/hf.md "Its own tokenizer".
+    """
+    if checkpoint is None:
+        return load_tokenizer()
+    path = Path(checkpoint).expanduser()
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        model_type = None  # the config checks name an unreadable checkpoint
+    if model_type == "odyssey_moe" or not (path / "tokenizer.json").is_file():
+        return load_tokenizer()
+    return _checkpoint_tokenizer(str(path.resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _checkpoint_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean the same to the user
+        raise ValueError(f"{path}: its tokenizer does not load ({type(e).__name__}: {e}); fix or remove the "
+                         "tokenizer files (without them the policy uses Odyssey's tokenizer)") from e
+    if not tok.is_fast:
+        raise ValueError(f"{path}: the tokenizer is a slow (Python) tokenizer; save a fast one "
+                         "(tokenizer.json, e.g. AutoTokenizer.from_pretrained(..., use_fast=True)"
+                         ".save_pretrained(dir))")
+    chat_format(tok)  # a usable chat template, or a clear error now rather than in a rollout worker
     return tok
 
 
@@ -363,15 +404,81 @@ def _slotted(messages: Sequence[dict[str, Any]]
     return out, texts, re.compile(f"\ue000{nonce}:(\\d+)\ue001")
 
 
-_ADDED_RE = re.compile("|".join(re.escape(t) for t in sorted(ALL_ADDED_TOKENS, key=len, reverse=True)))
+@dataclass(frozen=True)
+class ChatFormat:
+    """What the rollout reads from a tokenizer's chat template (Odyssey's or a checkpoint's own).
+
+    end_of_turn: the added token that closes an assistant turn ("<|im_end|>" in Odyssey's and Qwen's
+    templates, "<|eot_id|>" in Llama 3's); sampling stops on it and a cut turn gets it appended.
+    added: every added-token string of the vocabulary, longest first (content never yields their ids).
+    slot_exact: True for Odyssey's tokenizer, whose template bounds every content slot by an added token or
+    a newline its pre-tokenizer isolates, so content encodes on its own exactly as inside the whole text.
+    Other tokenizers' pre-tokenizers merge across those edges (Qwen's attaches ".\n\n" into one piece), so
+    their chats are encoded run by run: the text between two of the template's added tokens, content
+    included, goes through the tokenizer's pipeline without added-token matching (`plain_ids`), which is
+    the tokenizer's own encoding of the rendered text wherever content holds no added-token string.
+    """
+
+    end_of_turn: str
+    added: re.Pattern
+    slot_exact: bool
+
+
+@functools.lru_cache(maxsize=16)
+def chat_format(tokenizer: PreTrainedTokenizerFast) -> ChatFormat:
+    """The `ChatFormat` of `tokenizer`, read off its chat template by rendering a user turn and an assistant
+    turn whose content is a nonce: the first added token after the nonce is the end of turn. Raises a
+    ValueError naming the problem when the template cannot drive a rollout."""
+    added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+    if not added:
+        raise ValueError("the tokenizer has no added tokens, so its chat template cannot mark the end of an "
+                         "assistant turn; use a tokenizer with a chat template built on special tokens")
+    pattern = re.compile("|".join(re.escape(t) for t in added))
+    if tokenizer.chat_template is None:
+        raise ValueError("the tokenizer has no chat template; save the model's tokenizer with its template "
+                         "(tokenizer.chat_template) or remove it to use Odyssey's tokenizer")
+    nonce = f"\ue000{secrets.token_hex(8)}\ue001"
+    try:
+        turns = [{"role": "user", "content": "."}, {"role": "assistant", "content": nonce}]
+        text = render_chat(tokenizer, turns)
+    except Exception as e:  # noqa: BLE001 - a template raises whatever its author wrote
+        raise ValueError(f"the chat template fails on a user turn and an assistant turn ({type(e).__name__}: "
+                         f"{e}); Odyssey renders system, user, assistant and tool messages with it") from e
+    if nonce not in text:
+        raise ValueError("the chat template drops an assistant turn's content; Odyssey needs a template that "
+                         "renders it verbatim")
+    after = text[text.index(nonce) + len(nonce):]
+    m = pattern.match(after)
+    if m is None:
+        raise ValueError(f"the chat template closes an assistant turn with {after[:40]!r}, not with an added "
+                         "token; Odyssey stops sampling on that token, so the template must end each "
+                         "assistant "
+                         "turn with one (as <|im_end|> or <|eot_id|> do)")
+    shipped = tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(load_tokenizer())
+    return ChatFormat(end_of_turn=m.group(), added=pattern, slot_exact=shipped)
+
+
+def plain_ids(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """Ids of `text` through the tokenizer's normaliser, pre-tokeniser and model, skipping its added-token
+    matching: equal to `tokenizer.encode(text, add_special_tokens=False)` when `text` holds no added-token
+    string, and never an added token's id when it does (those strings are encoded as the bytes they are)."""
+    bt = tokenizer.backend_tokenizer
+    if bt.normalizer is not None:
+        text = bt.normalizer.normalize_str(text)
+    pieces = bt.pre_tokenizer.pre_tokenize_str(text) if bt.pre_tokenizer is not None else [(text, None)]
+    return [t.id for piece, _ in pieces for t in bt.model.tokenize(piece)]
 
 
 def encode_text(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     """Ids of `text` as plain text: an added-token string inside it ("<|im_end|>", "</tool_response>") is
-    encoded as "<" plus the rest, so it never becomes a special or markup id. decode() gives `text` back."""
+    encoded as "<" plus the rest in Odyssey's tokenizer (`plain_ids` in others), so it never becomes a special
+    or markup id. decode() gives `text` back."""
+    fmt = chat_format(tokenizer)
+    if not fmt.slot_exact:
+        return plain_ids(tokenizer, text)
     ids: list[int] = []
     pos = 0
-    for m in _ADDED_RE.finditer(text):
+    for m in fmt.added.finditer(text):
         ids += tokenizer.encode(text[pos:m.start()], add_special_tokens=False)
         ids += tokenizer.encode(m.group()[:1], add_special_tokens=False)
         ids += tokenizer.encode(m.group()[1:], add_special_tokens=False)
@@ -387,6 +494,9 @@ def _encode_slotted(
     slots = list(slot_re.finditer(text))
     if [int(m.group(1)) for m in slots] != list(range(len(texts))):
         raise AssertionError("the chat template dropped or reordered message content")
+    fmt = chat_format(tokenizer)
+    if not fmt.slot_exact:
+        return _encode_runs(tokenizer, fmt, text, texts, slot_re)
     out = ChatEncoding([])
     ids = out.ids
     pos = 0
@@ -401,6 +511,41 @@ def _encode_slotted(
         pos = m.end()
     ids += tokenizer.encode(text[pos:], add_special_tokens=False)
     return out
+
+
+def _encode_runs(tokenizer: PreTrainedTokenizerFast, fmt: ChatFormat, text: str,
+                 texts: list[str | PreparedImage], slot_re: re.Pattern) -> ChatEncoding:
+    """`_encode_slotted` for a tokenizer that is not `slot_exact`: the template's added tokens by their ids,
+    and each run of text between them (template text and content together) by `plain_ids`."""
+    ids: list[int] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if run:
+            ids.extend(plain_ids(tokenizer, "".join(run)))
+            run.clear()
+
+    pos = 0
+    for m in [*slot_re.finditer(text), None]:
+        piece = text[pos:m.start()] if m is not None else text[pos:]
+        at = 0
+        for a in fmt.added.finditer(piece):  # added tokens of the template itself
+            run.append(piece[at:a.start()])
+            flush()
+            ids.append(tokenizer.convert_tokens_to_ids(a.group()))
+            at = a.end()
+        run.append(piece[at:])
+        if m is None:
+            break
+        content = texts[int(m.group(1))]
+        if not isinstance(content, str):
+            raise ValueError("a message holds an image, and this tokenizer has no image tokens: only "
+                             "Odyssey's "
+                             "model and tokenizer read images (docs/vision.md)")
+        run.append(content)
+        pos = m.end()
+    flush()
+    return ChatEncoding(ids)
 
 
 def encode_chat(
@@ -450,12 +595,17 @@ def encode_continuation_images(
     """`encode_continuation`, also returning where each image block starts (relative to the continuation)."""
     _check_messages(new_messages)
     slotted, texts, slot_re = _slotted(new_messages)
-    base = render_chat(tokenizer, _PREFIX)
-    full = render_chat(tokenizer, _PREFIX + slotted, add_generation_prompt=add_generation_prompt)
-    cut = base.rindex(END_OF_TURN) + len(END_OF_TURN)
-    if full[:cut] != base[:cut]:
-        raise AssertionError("chat template is not prefix-stable; encode_continuation cannot be exact")
-    return _encode_slotted(tokenizer, full[cut:], texts, slot_re)
+    # the conversation so far stands in as a user turn and an assistant turn whose content is a nonce: what
+    # the template renders after that turn's end-of-turn token is the continuation
+    eot = chat_format(tokenizer).end_of_turn
+    nonce = f"\ue000{secrets.token_hex(8)}\ue001"
+    prefix = [{"role": "user", "content": "."}, {"role": "assistant", "content": nonce}]
+    full = render_chat(tokenizer, prefix + slotted, add_generation_prompt=add_generation_prompt)
+    cut = full.index(nonce) + len(nonce)
+    if not full.startswith(eot, cut):
+        raise AssertionError(f"the chat template does not close an assistant turn with {eot} when messages "
+                             "follow it; encode_continuation cannot be exact")
+    return _encode_slotted(tokenizer, full[cut + len(eot):], texts, slot_re)
 
 
 def image_token_ids_of(tokenizer: PreTrainedTokenizerFast) -> list[int]:
@@ -465,12 +615,14 @@ def image_token_ids_of(tokenizer: PreTrainedTokenizerFast) -> list[int]:
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerFast) -> int:
-    return tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    """Id of the token that closes an assistant turn (`ChatFormat.end_of_turn`; END_OF_TURN in Odyssey's)."""
+    return tokenizer.convert_tokens_to_ids(chat_format(tokenizer).end_of_turn)
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
-    """Ids that end an assistant turn during sampling: END_OF_TURN first, then EOS."""
-    return [end_of_turn_id(tokenizer), tokenizer.eos_token_id]
+    """Ids that end an assistant turn during sampling: the end of turn first, then EOS (when different)."""
+    ids = [end_of_turn_id(tokenizer), tokenizer.eos_token_id]
+    return [i for n, i in enumerate(ids) if i is not None and i not in ids[:n]]
 
 
 # ---------------------------------------------------------------------------------------------------------

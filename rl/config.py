@@ -525,10 +525,15 @@ def _hf_problems(c: RunConfig) -> list[str]:
     except (OSError, ValueError):
         return out
     vocab = (saved.get("text_config") or saved).get("vocab_size")
-    n_tok = _tokenizer_size()
+    own = (Path(m.checkpoint).expanduser() / "tokenizer.json").is_file()
+    try:
+        n_tok = _tokenizer_size(m.checkpoint)
+    except ValueError as e:  # the checkpoint's own tokenizer is unusable: policy_tokenizer says why
+        return [*out, f"{where}: {e}"]
+    whose = "its own tokenizer" if own else "Odyssey's tokenizer (the checkpoint ships none)"
     if isinstance(vocab, int) and n_tok is not None and vocab < n_tok:
-        out.append(f"{where}: the model's vocab_size ({vocab}) is smaller than Odyssey's tokenizer ({n_tok} "
-                   f"tokens); token ids would overflow its embedding. Use a model with vocab_size >= {n_tok}")
+        out.append(f"{where}: the model's vocab_size ({vocab}) is smaller than {whose} ({n_tok} tokens); "
+                   f"token ids would overflow its embedding. Use a model with vocab_size >= {n_tok}")
     return out
 
 
@@ -611,11 +616,13 @@ def _model_problems(m: ModelSection) -> list[str]:
     return out
 
 
-def _tokenizer_size() -> int | None:
+def _tokenizer_size(checkpoint: str | None = None) -> int | None:
+    """Size of the policy's tokenizer (model.tokenizer.policy_tokenizer), None when it cannot be loaded
+    here; a ValueError names a checkpoint tokenizer that is unusable."""
     try:
-        from model.tokenizer import load_tokenizer
+        from model.tokenizer import policy_tokenizer
 
-        return len(load_tokenizer())
+        return len(policy_tokenizer(checkpoint))
     except (ImportError, FileNotFoundError):
         return None
 

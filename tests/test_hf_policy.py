@@ -37,13 +37,13 @@ def _save(model: torch.nn.Module, path) -> str:
     return str(path)
 
 
-def make_llama(path, seed: int = 0) -> str:
+def make_llama(path, seed: int = 0, vocab_size: int = V) -> str:
     """A 2-layer random Llama (head_dim 32: vLLM's CPU attention needs >= 32) saved to `path`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=256, vocab_size=V, max_position_embeddings=1024,
+                      intermediate_size=256, vocab_size=vocab_size, max_position_embeddings=1024,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
     return _save(LlamaForCausalLM(cfg), path)
 

@@ -1,10 +1,12 @@
 """`odyssey train`'s loop (Ray rollout workers, learner actor, weight sync, checkpoints) on an HF causal LM:
-`model.hf_path` = a small random Llama made here, dataset-qa rows of examples/quickstart (no sandboxes).
+`model.hf_path` = a small random Llama made here that ships its own tokenizer (tests/foreign_tokenizers.py:
+a ChatML template and vocabulary unlike Odyssey's), dataset-qa rows of examples/quickstart (no sandboxes).
 
 Checks: two policy steps run; the first step's learner log-probs equal the rollout's (on-policy: ratio
-1 and off-policy KL 0 within 1e-4, through Ray workers' TorchEngines); the weights move (the second
+1 and off-policy KL 0 within 1e-4, through Ray workers' TorchEngines, so workers and learner read the
+checkpoint's tokenizer: the learner refuses trajectories of another); the weights move (the second
 step's rollouts come from weights version 1); the checkpoint's policy is an HF Llama checkpoint that
-transformers loads; a resume from it continues at step 2.
+transformers loads, with the same tokenizer beside it; a resume from it continues at step 2.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 import pytest
 import torch
 
+from model.tokenizer import policy_tokenizer, tokenizer_fingerprint
+from tests.foreign_tokenizers import make_tokenizer
 from tests.test_hf_policy import make_llama
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -42,7 +46,8 @@ def _trainer(run_dir, hf_dir: str, steps: int):
 def test_odyssey_train_on_an_hf_llama_through_ray(ray_session, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    hf_dir = make_llama(tmp_path / "llama")
+    tok = make_tokenizer("chatml", tmp_path / "llama")
+    hf_dir = make_llama(tmp_path / "llama", vocab_size=len(tok))
     run_dir = tmp_path / "run"
     _trainer(run_dir, hf_dir, steps=2).run()
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -55,6 +60,7 @@ def test_odyssey_train_on_an_hf_llama_through_ray(ray_session, tmp_path):
     assert not any(k.startswith("moe/") for r in recs for k in r)
     ckpt = run_dir / "checkpoints" / "step-000002" / "learner" / "policy"
     assert json.loads((ckpt / "config.json").read_text())["model_type"] == "llama"
+    assert tokenizer_fingerprint(policy_tokenizer(ckpt)) == tokenizer_fingerprint(tok)
     trained = AutoModelForCausalLM.from_pretrained(str(ckpt))
     start = AutoModelForCausalLM.from_pretrained(hf_dir)
     with torch.no_grad():

@@ -102,7 +102,8 @@ def check_tokenizer(traj: Trajectory, index: int, facts: ModelFacts) -> None:
         raise ValueError(
             f"{describe(traj, index)}: tokenizer mismatch: it was rolled out with tokenizer {fp!r} but the "
             f"learner's is {facts.tokenizer!r}; its token ids mean other text to this model. Roll out with "
-            "the learner's tokenizer (model/assets/tokenizer)"
+            "the policy's tokenizer (model.tokenizer.policy_tokenizer: an HF checkpoint's own when it ships "
+            "one, else model/assets/tokenizer)"
         )
 
 

@@ -151,10 +151,11 @@ def _is_hf_moe(policy: torch.nn.Module) -> bool:
 
 class Learner:
     """Policy optimisation for one rank (module docstring). cfg: rl.config.RunConfig; tokenizer: the one
-    whose fingerprint the trajectories must carry (default: the shipped tokenizer, model/assets/tokenizer)."""
+    whose fingerprint the trajectories must carry (default: the policy's, model.tokenizer.policy_tokenizer:
+    an HF checkpoint's own when it ships one, else the shipped tokenizer, model/assets/tokenizer)."""
 
     def __init__(self, cfg, tokenizer: Any = None) -> None:
-        from model.tokenizer import load_tokenizer, tokenizer_fingerprint
+        from model.tokenizer import policy_tokenizer, tokenizer_fingerprint
 
         self.cfg = cfg
         lc = self.lc = cfg.learner
@@ -203,7 +204,7 @@ class Learner:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, lc)
         self.scheduler = build_scheduler(self.optimizer, lc)
-        tok = tokenizer if tokenizer is not None else load_tokenizer()
+        tok = tokenizer if tokenizer is not None else policy_tokenizer(cfg.model.checkpoint)
         mc = self.policy.config
         n_moe = len(self.policy.moe_layer_indices)  # 0 for HF models: their routing is not recorded
         self.facts = ModelFacts(

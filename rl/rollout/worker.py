@@ -300,10 +300,10 @@ class RolloutWorker:
         self.worker_id = worker_id
         if settings.torch_threads:
             torch.set_num_threads(int(settings.torch_threads))
-        if tokenizer is None:
-            from model.tokenizer import load_tokenizer
+        if tokenizer is None:  # an HF checkpoint's own tokenizer when it ships one (docs/hf.md)
+            from model.tokenizer import policy_tokenizer
 
-            tokenizer = load_tokenizer()
+            tokenizer = policy_tokenizer(settings.checkpoint)
         self.codec = ChatCodec(tokenizer)
         self._engine_dir: str | None = None
         self._own_engine = engine is None  # an injected engine is the caller's to shut down
