@@ -51,6 +51,7 @@ import io
 import json
 import math
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -137,6 +138,9 @@ def run(
         *fam.overrides,
     ]
     cfg = load_config(str(ROOT / fam.config), overrides)
+    if run_dir.exists():  # every run starts from the warm-up: a checkpoint left here would be resumed
+        print(f"  removing the previous run of this cell, {run_dir}", flush=True)
+        shutil.rmtree(run_dir)
     t0 = time.perf_counter()
     Trainer(cfg, console=Console(file=io.StringIO())).run()
     evals = [json.loads(ln) for ln in (run_dir / "eval.jsonl").read_text().splitlines()]
