@@ -75,3 +75,39 @@ def test_context_parallel_group_equals_one_rank(ray_session):
     for x, y in zip(m1, m2):
         for key in ("loss", "grad_norm", "tokens", "learner/tokens_scored", "learner/entropy"):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key
+
+
+@pytest.mark.ray
+def test_two_ranks_equal_one_rank_on_an_hf_model(ray_session, tmp_path):
+    """DDP over an HF causal LM (model.hf_path, a random Llama): the same oracle as above (rel <= 2e-5)."""
+    from rl.config import RunConfig
+    from rl.learner.group import LearnerGroup
+    from tests.test_hf_policy import make_llama
+
+    hf_dir = make_llama(tmp_path / "llama", vocab_size=4096)  # the fixtures' token ids reach 4095
+    cfg = RunConfig.model_validate({
+        "model": {"hf_path": hf_dir},
+        "learner": {"group_size": 4, "num_ranks": 2, "num_minibatches": 2, "micro_batch_tokens": 80,
+                    "lr": 1e-3}})
+    full, small = ragged_batch(seed=11, routed=False), ragged_batch(seed=12, n_groups=1, group_size=3,
+                                                                    routed=False)
+    single = Learner(cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"num_ranks": 1})}))
+    group = LearnerGroup(cfg, torch_threads=1)
+    try:
+        init = group.state_dict()
+        m1 = [single.step(full), single.step(small)]
+        m2 = [group.step(full), group.step(small)]
+        sd1, sd2 = single.policy.state_dict(), group.state_dict()
+    finally:
+        group.shutdown()
+    assert sd1.keys() == sd2.keys() and "lm_head.weight" in sd1
+    a = torch.cat([sd1[k].reshape(-1).float() for k in sd1])
+    b = torch.cat([sd2[k].reshape(-1).float() for k in sd1])
+    moved = float((a - torch.cat([init[k].reshape(-1).float() for k in sd1])).norm())
+    # fp32: the all-reduce sums gradients in another order, which Adam's normalised update carries into the
+    # weights (measured 1.1e-5 here, against 1e-5 for Odyssey's model above)
+    assert moved > 0 and float((b - a).norm()) / moved <= 2 * REL
+    for x, y in zip(m1, m2):
+        for key in ("loss", "grad_norm", "tokens", "learner/tokens_scored"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key
+        assert not any(k.startswith("moe/") for k in y)
