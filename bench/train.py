@@ -24,7 +24,8 @@
    both: our loop with `model.hf_path=<that checkpoint>` (model/hf_policy.py: the learner's packed forward
    and TorchEngine on the HF model; configs/tiny.yaml otherwise, async, max_staleness 1, with
    rollout.concurrent_episodes 8 so each of the 2 workers decodes its 8 episodes of a step at once) and TRL's
-   GRPOTrainer loading the same checkpoint, same prompts and settings as 3. Counting as in 3.
+   GRPOTrainer loading the same checkpoint, same prompts and settings as 3. Counting as in 3. Also ours
+   with rollout.max_turns=1 (one turn per episode, as TRL runs it).
 
     .venv/bin/python bench/train.py [--steps 6] [--trl-steps 3] [--init-from runs/tiny/warmup]
     .venv/bin/python bench/train.py --only same-model     # section 4 alone, merged into train.json
@@ -150,6 +151,9 @@ def same_model_vs_trl(steps: int, trl_steps: int, trl_threads: int, tmp: Path) -
     extra = (f"model.hf_path={model_dir}", "rollout.concurrent_episodes=8")
     ours = run_loop(1, steps, None, tmp / "same-model", cfgs, extra)
     load["after_ours"] = os.getloadavg()[0]
+    # the same with one turn per episode, as TRL runs it: the same kind of tokens on both sides
+    one_turn = run_loop(1, steps, None, tmp / "same-model-one-turn", None, (*extra, "rollout.max_turns=1"))
+    load["after_ours_one_turn"] = os.getloadavg()[0]
     trl = trl_tokens_per_s(cfgs[0], trl_steps, trl_threads, model_dir=str(model_dir))
     load["after_trl"] = os.getloadavg()[0]
     return {
@@ -157,15 +161,18 @@ def same_model_vs_trl(steps: int, trl_steps: int, trl_threads: int, tmp: Path) -
         "model": f"LlamaForCausalLM, {sum(p.numel() for p in llama.parameters())} parameters (random "
         "weights, bench.vs_llama.llama_like of the tiny preset), one checkpoint loaded by both",
         "ours": ours,
+        "ours_one_turn": one_turn,
         "trl": trl,
         "ours_tokens_per_s": ours["tokens_per_s"],
+        "ours_one_turn_tokens_per_s": one_turn["tokens_per_s"],
         "trl_tokens_per_s": trl["tokens_per_s"],
         "ratio_ours_over_trl": ours["tokens_per_s"] / trl["tokens_per_s"],
+        "ratio_ours_one_turn_over_trl": one_turn["tokens_per_s"] / trl["tokens_per_s"],
         "goal": ">= 1.5",
         "counting": "as rl_tokens_per_s_vs_trl: tokens of each step's sequences over steps 2..N / seconds "
         "from the end of step 1 to the end of step N (ours: async, max_staleness 1, concurrent_episodes 8 "
-        "per worker, multi-turn with the calculator: its tokens include tool results and turn markup; TRL: "
-        "one turn of prompt + completion)",
+        "per worker, multi-turn with the calculator: its tokens include tool results and turn markup; "
+        "ours_one_turn: the same with rollout.max_turns=1; TRL: one turn of prompt + completion)",
     }
 
 
@@ -257,6 +264,9 @@ def print_same_model(same: dict) -> None:
     print(f"same model ({same['model'].split(',')[0]}): RL tokens/s ours {same['ours_tokens_per_s']:.0f}, "
           f"TRL GRPOTrainer {same['trl_tokens_per_s']:.0f}: {same['ratio_ours_over_trl']:.2f}x "
           "(goal >= 1.5x)")
+    if "ours_one_turn_tokens_per_s" in same:
+        print(f"  one turn per episode as TRL: ours {same['ours_one_turn_tokens_per_s']:.0f}: "
+              f"{same['ratio_ours_one_turn_over_trl']:.2f}x")
     print(f"-> {RESULTS}")
 
 
