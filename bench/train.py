@@ -27,8 +27,13 @@
    GRPOTrainer loading the same checkpoint, same prompts and settings as 3. Counting as in 3. Also ours
    with rollout.max_turns=1 (one turn per episode, as TRL runs it).
 
+5. Where the same-model time goes: one learner step of ours on that HF Llama (configs/tiny.yaml's learner:
+   packed micro-batches of 4096 tokens, chunked LM head, activation checkpointing, 1 thread) against the bare
+   minimum, transformers' own forward + backward of the same tokens in 1024-token rows and one AdamW step
+   (no RL loss at all), in tokens/s: a bound on what any trainer reaches with this model on one core.
+
     .venv/bin/python bench/train.py [--steps 6] [--trl-steps 3] [--init-from runs/tiny/warmup]
-    .venv/bin/python bench/train.py --only same-model     # section 4 alone, merged into train.json
+    .venv/bin/python bench/train.py --only same-model     # sections 4 and 5 alone, merged into train.json
 """
 
 from __future__ import annotations
@@ -176,6 +181,60 @@ def same_model_vs_trl(steps: int, trl_steps: int, trl_threads: int, tmp: Path) -
     }
 
 
+def learner_vs_bare_hf(tmp: Path, repeats: int = 2) -> dict:
+    """Section 5: our learner step on the HF Llama of section 4 against transformers' bare forward + backward
+    of the same tokens (1 thread both)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.vs_llama import llama_like
+    from model.config import OdysseyConfig
+    from rl.config import load_config
+    from rl.learner import Learner
+    from tests.learner_fixtures import scored_traj
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base = load_config(str(ROOT / "configs" / "tiny.yaml"))
+        llama, _ = llama_like(OdysseyConfig.from_preset(base.model.preset), base.rollout.max_tokens)
+        llama.save_pretrained(str(tmp / "llama-5"))
+        cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), [f"model.hf_path={tmp / 'llama-5'}"])
+        learner = Learner(cfg)
+        rng = np.random.default_rng(0)
+        # 16 episodes shaped like section 4's: a 300-token prompt, 4 turns of 128 with 60-token tool results
+        layout = [("prompt", 300)] + [("assistant", 128), ("observation", 60)] * 3 + [("assistant", 128)]
+        trajs = [scored_traj(rng, layout, float(i % 3), f"g{i // 4}", routed=False) for i in range(16)]
+        for t in trajs:
+            t.tokens = (t.tokens % 4000).astype(np.int32)
+        n = sum(t.n_tokens for t in trajs)
+        learner.step(trajs[:4])  # warm-up
+        ours = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            learner.step(trajs)
+            ours.append(time.perf_counter() - t0)
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp / "llama-5"), dtype=torch.float32)
+        opt = torch.optim.AdamW(hf.parameters(), lr=1e-5)
+        ids = torch.tensor(np.concatenate([t.tokens for t in trajs]).astype(np.int64))
+        bare = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            for s in range(0, len(ids), 1024):
+                x = ids[s:s + 1024][None]
+                hf(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            bare.append(time.perf_counter() - t0)
+        bare = bare[1:]  # the first is a warm-up
+    finally:
+        torch.set_num_threads(before)
+    o, b = n / statistics.median(ours), n / statistics.median(bare)
+    return {"tokens": n, "ours_step_s": ours, "bare_hf_s": bare, "ours_tokens_per_s": o,
+            "bare_hf_tokens_per_s": b, "ratio_ours_over_bare": o / b, "threads": 1}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6)
@@ -196,6 +255,7 @@ def main() -> None:
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 same = same_model_vs_trl(args.steps, args.trl_steps, args.trl_threads, Path(tmp))
+                same["learner_vs_bare_hf"] = learner_vs_bare_hf(Path(tmp))
         finally:
             ray.shutdown()
         old = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
@@ -237,6 +297,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out["same_model_vs_trl"] = same_model_vs_trl(args.steps, args.trl_steps, args.trl_threads,
                                                          Path(tmp))
+            out["same_model_vs_trl"]["learner_vs_bare_hf"] = learner_vs_bare_hf(Path(tmp))
     finally:
         ray.shutdown()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -264,6 +325,10 @@ def print_same_model(same: dict) -> None:
     print(f"same model ({same['model'].split(',')[0]}): RL tokens/s ours {same['ours_tokens_per_s']:.0f}, "
           f"TRL GRPOTrainer {same['trl_tokens_per_s']:.0f}: {same['ratio_ours_over_trl']:.2f}x "
           "(goal >= 1.5x)")
+    if "learner_vs_bare_hf" in same:
+        lb = same["learner_vs_bare_hf"]
+        print(f"  learner step {lb['ours_tokens_per_s']:.0f} tokens/s vs transformers' bare forward + "
+              f"backward {lb['bare_hf_tokens_per_s']:.0f} (1 thread): {lb['ratio_ours_over_bare']:.2f}x")
     if "ours_one_turn_tokens_per_s" in same:
         print(f"  one turn per episode as TRL: ours {same['ours_one_turn_tokens_per_s']:.0f}: "
               f"{same['ratio_ours_one_turn_over_trl']:.2f}x")
