@@ -24,6 +24,7 @@ trajectory stores its row with it); the answer column, when an env needs one, is
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -124,7 +125,19 @@ def _read(path: str, mtime_ns: int, size: int) -> tuple[dict[str, Any], ...]:
     except Exception as e:  # pyarrow / datasets parse errors: keep their text, name the file and format
         msg = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
         raise DatasetError(f"cannot read {path} as {kind}: {type(e).__name__}: {msg}") from e
-    return tuple(ds.to_list())
+    return tuple(_bytes_as_base64(r) for r in ds.to_list())
+
+
+def _bytes_as_base64(value: Any) -> Any:
+    """`value` with every bytes object (a parquet binary cell, e.g. the "bytes" of an HF datasets image
+    column) as {"base64": <its base64 text>}, so a row stays JSON (`envs.dataset_qa.row_image` reads it)."""
+    if isinstance(value, (bytes, bytearray)):
+        return {"base64": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, dict):
+        return {k: _bytes_as_base64(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_bytes_as_base64(v) for v in value]
+    return value
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:

@@ -18,10 +18,12 @@ turn's text against the ground truth, and that score is the episode's outcome (`
 
 Images (`image_field: <column>`): the column holds the row's image in the HF datasets convention, a path
 string or a mapping {"bytes": encoded bytes | None, "path": str | None} (bytes win; a relative path is
-read from the working directory). The user message becomes [image part, text part]. The image is checked
-when the task is built (`envs.tool_result.sanitize_image`: at most `MAX_IMAGE_BYTES`, the pixel limit read
-from the header, an allowed mode, fully decodable) and re-encoded as an RGB PNG; a bad one is a
-DatasetError naming the row, the column and the problem. A row without a value there is a text-only task.
+read from the working directory). A parquet file's binary bytes arrive as {"base64": ...} (envs/dataset.py
+keeps every row JSON), which is read the same way. The user message becomes [image part, text part].
+The image is checked when the task is built (`envs.tool_result.sanitize_image`: at most
+`MAX_IMAGE_BYTES`, the pixel limit read from the header, an allowed mode, fully decodable) and re-encoded
+as an RGB PNG; a bad one is a DatasetError naming the row, the column and the problem. A row without a
+value there is a text-only task.
 
 A verifier past `verifier_timeout_s` scores the answer 0.0 (`info["verifier_timed_out"]`); a verifier
 that raises is the env's own failure (an infra error: not scored).
@@ -29,6 +31,7 @@ that raises is the env's own failure (an infra error: not scored).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +62,11 @@ def row_image(value: Any, where: str) -> bytes:
                 data = f.read(MAX_IMAGE_BYTES + 1)
         except OSError as e:
             raise DatasetError(f"{where}: cannot read image file {path!r}: {e}") from None
+    if isinstance(data, dict) and isinstance(data.get("base64"), str):  # bytes read from a parquet file
+        try:
+            data = base64.b64decode(data["base64"], validate=True)
+        except ValueError as e:
+            raise DatasetError(f"{where}: the image's base64 bytes do not decode ({e})") from None
     if not isinstance(data, (bytes, bytearray)):
         raise DatasetError(f"{where}: image bytes must be bytes, got {type(data).__name__}")
     if len(data) > MAX_IMAGE_BYTES:

@@ -252,7 +252,8 @@ def test_sandbox_rendering_equals_in_process(sandbox_pool):
 def test_dataset_rows_with_images_put_the_image_in_the_prompt(tmp_path, codec):
     """dataset-qa with image_field: a path cell and a {"bytes", "path"} cell (HF datasets convention) both
     become an image part before the question; the model sees it (the encoded prompt holds its block), the
-    stored row is JSON; a row of a .jsonl file works through TaskDataset; bad cells are clear errors."""
+    stored row is JSON; rows of a .jsonl file and of a parquet file with image bytes work through
+    TaskDataset; bad cells are clear errors."""
     import json
 
     from envs.dataset import DatasetError, TaskDataset
@@ -279,6 +280,15 @@ def test_dataset_rows_with_images_put_the_image_in_the_prompt(tmp_path, codec):
     data = TaskDataset.load(path, eval_size=1)
     messages, _ = env.reset(options={"row": data.task_row("train", 0)})
     assert messages[-1]["content"][0]["type"] == "image"
+    # a parquet file with the HF datasets image struct (binary bytes): rows stay JSON, the image arrives
+    import datasets
+
+    datasets.Dataset.from_list([rows[1]] * 3).to_parquet(str(tmp_path / "rows.parquet"))
+    data = TaskDataset.load(tmp_path / "rows.parquet", eval_size=1)
+    row = data.task_row("train", 0)
+    json.dumps(row.to_dict())
+    messages, _ = env.reset(options={"row": row})
+    assert np.array_equal(_grey(messages[-1]["content"][0]["image"]), _grey(png))
     text_only = envs.make("dataset-qa", verifier="exact-match")
     assert text_only.observation_space == ChatMessages()
     (tmp_path / "bad.png").write_bytes(png[:40])
