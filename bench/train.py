@@ -25,7 +25,9 @@
    and TorchEngine on the HF model; configs/tiny.yaml otherwise, async, max_staleness 1, with
    rollout.concurrent_episodes 8 so each of the 2 workers decodes its 8 episodes of a step at once) and TRL's
    GRPOTrainer loading the same checkpoint, same prompts and settings as 3. Counting as in 3. Also ours
-   with rollout.max_turns=1 (one turn per episode, as TRL runs it).
+   with rollout.max_turns=1 (one turn per episode, as TRL runs it) and a reward with signal for a random
+   policy (bench.trl_grpo.ascii_share; TRL gets it too): on the arith rewards a random policy's groups tie,
+   and our learner drops tied groups while TRL trains them, so without it ours would train on nothing.
 
 5. Where the same-model time goes: one learner step of ours on that HF Llama (configs/tiny.yaml's learner:
    packed micro-batches of 4096 tokens, chunked LM head, activation checkpointing, 1 thread) against the bare
@@ -156,10 +158,14 @@ def same_model_vs_trl(steps: int, trl_steps: int, trl_threads: int, tmp: Path) -
     extra = (f"model.hf_path={model_dir}", "rollout.concurrent_episodes=8")
     ours = run_loop(1, steps, None, tmp / "same-model", cfgs, extra)
     load["after_ours"] = os.getloadavg()[0]
-    # the same with one turn per episode, as TRL runs it: the same kind of tokens on both sides
-    one_turn = run_loop(1, steps, None, tmp / "same-model-one-turn", None, (*extra, "rollout.max_turns=1"))
+    # one turn per episode, as TRL runs it, and a reward with signal on both sides: a random policy's groups
+    # tie on the arith rewards, and our learner drops tied groups (TRL trains them); with it both train on
+    # every completion
+    signal = "rewards=[{name: 'bench.trl_grpo:ascii_share'}]"
+    one_turn = run_loop(1, steps, None, tmp / "same-model-one-turn", None,
+                        (*extra, "rollout.max_turns=1", signal))
     load["after_ours_one_turn"] = os.getloadavg()[0]
-    trl = trl_tokens_per_s(cfgs[0], trl_steps, trl_threads, model_dir=str(model_dir))
+    trl = trl_tokens_per_s(cfgs[0], trl_steps, trl_threads, model_dir=str(model_dir), signal=True)
     load["after_trl"] = os.getloadavg()[0]
     return {
         "load_average_1min": load,  # the cores are shared: other load changes both rates, not equally
@@ -177,7 +183,8 @@ def same_model_vs_trl(steps: int, trl_steps: int, trl_threads: int, tmp: Path) -
         "counting": "as rl_tokens_per_s_vs_trl: tokens of each step's sequences over steps 2..N / seconds "
         "from the end of step 1 to the end of step N (ours: async, max_staleness 1, concurrent_episodes 8 "
         "per worker, multi-turn with the calculator: its tokens include tool results and turn markup; "
-        "ours_one_turn: the same with rollout.max_turns=1; TRL: one turn of prompt + completion)",
+        "ours_one_turn: the same with rollout.max_turns=1 and the ascii-share reward; TRL: one turn of "
+        "prompt + completion, rewards: the answer check + ascii share)",
     }
 
 
@@ -330,8 +337,9 @@ def print_same_model(same: dict) -> None:
         print(f"  learner step {lb['ours_tokens_per_s']:.0f} tokens/s vs transformers' bare forward + "
               f"backward {lb['bare_hf_tokens_per_s']:.0f} (1 thread): {lb['ratio_ours_over_bare']:.2f}x")
     if "ours_one_turn_tokens_per_s" in same:
+        lt = same["ours_one_turn"]["learner_tokens_per_step"]
         print(f"  one turn per episode as TRL: ours {same['ours_one_turn_tokens_per_s']:.0f}: "
-              f"{same['ratio_ours_one_turn_over_trl']:.2f}x")
+              f"{same['ratio_ours_one_turn_over_trl']:.2f}x (ours trained {lt:.0f} tokens a step)")
     print(f"-> {RESULTS}")
 
 

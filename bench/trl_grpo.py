@@ -67,9 +67,30 @@ def answer_reward(completions: list[str], answer: list[float], **_: Any) -> list
     return out
 
 
-def trl_tokens_per_s(cfg: Any, steps: int, threads: int, model_dir: str | None = None) -> dict[str, Any]:
+def ascii_letters(text: str) -> float:
+    """The share of ASCII letters in `text`: a reward with signal for a random-weight policy, so every group
+    of a throughput run trains (our learner drops a group whose rewards tie, as DAPO does; TRL trains it)."""
+    return sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text))
+
+
+def ascii_share(traj: Any) -> float:
+    """`ascii_letters` of an episode's last assistant turn (our reward signature: `rewards=[{name:
+    'bench.trl_grpo:ascii_share'}]`)."""
+    from rewards.text import completion_text
+
+    return ascii_letters(completion_text(traj))
+
+
+def ascii_share_reward(completions: list[str], **_: Any) -> list[float]:
+    """`ascii_letters` in TRL's reward signature."""
+    return [ascii_letters(c) for c in completions]
+
+
+def trl_tokens_per_s(cfg: Any, steps: int, threads: int, model_dir: str | None = None,
+                     signal: bool = False) -> dict[str, Any]:
     """Run `steps` GRPOTrainer steps on CPU with `threads` torch threads -> tokens/s over steps 2..steps.
-    model_dir: an HF checkpoint to train (the same-model comparison); None = `llama_like` of cfg's preset."""
+    model_dir: an HF checkpoint to train (the same-model comparison); None = `llama_like` of cfg's preset.
+    signal: add `ascii_share_reward` to the answer check (so a random policy's groups do not tie)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -137,7 +158,7 @@ def trl_tokens_per_s(cfg: Any, steps: int, threads: int, model_dir: str | None =
             )
             trainer = GRPOTrainer(
                 model=model,
-                reward_funcs=answer_reward,
+                reward_funcs=[answer_reward, ascii_share_reward] if signal else answer_reward,
                 args=args,
                 train_dataset=Dataset.from_list(rows),
                 processing_class=tok,
@@ -168,5 +189,6 @@ def trl_tokens_per_s(cfg: Any, steps: int, threads: int, model_dir: str | None =
         "tokens_per_s": (n_last - n_first) / (t_last - t_first),
         "first_step_tokens": n_first,
         "mean_reward": statistics.mean(rewards) if rewards else None,
+        "rewards": "answer check + ascii share" if signal else "answer check",
         "wall_s_with_startup": wall,
     }
