@@ -404,6 +404,17 @@ def _slotted(messages: Sequence[dict[str, Any]]
     return out, texts, re.compile(f"\ue000{nonce}:(\\d+)\ue001")
 
 
+def _after_assistant_turn(tokenizer: PreTrainedTokenizerFast, following: list[dict[str, Any]],
+                          add_generation_prompt: bool = False) -> str | None:
+    """What the template renders right after an assistant turn's content, with `following` messages after
+    that turn (a user turn and an assistant turn whose content is a nonce stand in for the conversation so
+    far); None when the template drops the assistant's content."""
+    nonce = f"\ue000{secrets.token_hex(8)}\ue001"
+    turns = [{"role": "user", "content": "."}, {"role": "assistant", "content": nonce}, *following]
+    text = render_chat(tokenizer, turns, add_generation_prompt=add_generation_prompt)
+    return text[text.index(nonce) + len(nonce):] if nonce in text else None
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """What the rollout reads from a tokenizer's chat template (Odyssey's or a checkpoint's own).
@@ -437,23 +448,19 @@ def chat_format(tokenizer: PreTrainedTokenizerFast) -> ChatFormat:
     if tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template; save the model's tokenizer with its template "
                          "(tokenizer.chat_template) or remove it to use Odyssey's tokenizer")
-    nonce = f"\ue000{secrets.token_hex(8)}\ue001"
     try:
-        turns = [{"role": "user", "content": "."}, {"role": "assistant", "content": nonce}]
-        text = render_chat(tokenizer, turns)
+        after = _after_assistant_turn(tokenizer, [])
     except Exception as e:  # noqa: BLE001 - a template raises whatever its author wrote
         raise ValueError(f"the chat template fails on a user turn and an assistant turn ({type(e).__name__}: "
                          f"{e}); Odyssey renders system, user, assistant and tool messages with it") from e
-    if nonce not in text:
+    if after is None:
         raise ValueError("the chat template drops an assistant turn's content; Odyssey needs a template that "
                          "renders it verbatim")
-    after = text[text.index(nonce) + len(nonce):]
     m = pattern.match(after)
     if m is None:
         raise ValueError(f"the chat template closes an assistant turn with {after[:40]!r}, not with an added "
                          "token; Odyssey stops sampling on that token, so the template must end each "
-                         "assistant "
-                         "turn with one (as <|im_end|> or <|eot_id|> do)")
+                         "assistant turn with one (as <|im_end|> or <|eot_id|> do)")
     shipped = tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(load_tokenizer())
     return ChatFormat(end_of_turn=m.group(), added=pattern, slot_exact=shipped)
 
@@ -540,8 +547,7 @@ def _encode_runs(tokenizer: PreTrainedTokenizerFast, fmt: ChatFormat, text: str,
         content = texts[int(m.group(1))]
         if not isinstance(content, str):
             raise ValueError("a message holds an image, and this tokenizer has no image tokens: only "
-                             "Odyssey's "
-                             "model and tokenizer read images (docs/vision.md)")
+                             "Odyssey's model and tokenizer read images (docs/vision.md)")
         run.append(content)
         pos = m.end()
     flush()
@@ -595,17 +601,13 @@ def encode_continuation_images(
     """`encode_continuation`, also returning where each image block starts (relative to the continuation)."""
     _check_messages(new_messages)
     slotted, texts, slot_re = _slotted(new_messages)
-    # the conversation so far stands in as a user turn and an assistant turn whose content is a nonce: what
-    # the template renders after that turn's end-of-turn token is the continuation
+    # what the template renders after an assistant turn's end-of-turn token is the continuation
     eot = chat_format(tokenizer).end_of_turn
-    nonce = f"\ue000{secrets.token_hex(8)}\ue001"
-    prefix = [{"role": "user", "content": "."}, {"role": "assistant", "content": nonce}]
-    full = render_chat(tokenizer, prefix + slotted, add_generation_prompt=add_generation_prompt)
-    cut = full.index(nonce) + len(nonce)
-    if not full.startswith(eot, cut):
+    after = _after_assistant_turn(tokenizer, slotted, add_generation_prompt)
+    if after is None or not after.startswith(eot):
         raise AssertionError(f"the chat template does not close an assistant turn with {eot} when messages "
                              "follow it; encode_continuation cannot be exact")
-    return _encode_slotted(tokenizer, full[cut + len(eot):], texts, slot_re)
+    return _encode_slotted(tokenizer, after[len(eot):], texts, slot_re)
 
 
 def image_token_ids_of(tokenizer: PreTrainedTokenizerFast) -> list[int]:

@@ -12,22 +12,29 @@ from tests.learner_fixtures import ragged_batch, small_config
 REL = 1e-5
 
 
+def _one_rank_and_group(cfg, *batches):
+    """Step one rank and a LearnerGroup of cfg's ranks on the same batches: (the group's initial state,
+    one rank's metrics, the group's metrics, one rank's state, the group's state)."""
+    from rl.learner.group import LearnerGroup
+
+    single = Learner(cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"num_ranks": 1})}))
+    group = LearnerGroup(cfg, torch_threads=1)
+    try:
+        init = group.state_dict()
+        m1 = [single.step(b) for b in batches]
+        m2 = [group.step(b) for b in batches]
+        return init, m1, m2, single.policy.state_dict(), group.state_dict()
+    finally:
+        group.shutdown()
+
+
 @pytest.mark.ray
 def test_two_ranks_equal_one_rank_on_the_same_global_batch(ray_session):
-    from rl.learner.group import LearnerGroup
 
     cfg = small_config(num_ranks=2, num_minibatches=2, micro_batch_tokens=80, lr=1e-3)
     full = ragged_batch(seed=11)
     small = ragged_batch(seed=12, n_groups=1, group_size=3)  # minibatches of 2 and 1 sample: a rank idles
-    single = Learner(cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"num_ranks": 1})}))
-    group = LearnerGroup(cfg, torch_threads=1)
-    try:
-        group_init = group.state_dict()
-        m1 = [single.step(full), single.step(small)]
-        m2 = [group.step(full), group.step(small)]
-        sd1, sd2 = single.policy.state_dict(), group.state_dict()
-    finally:
-        group.shutdown()
+    group_init, m1, m2, sd1, sd2 = _one_rank_and_group(cfg, full, small)
     assert sd1.keys() == sd2.keys()
     a = torch.cat([sd1[k].reshape(-1).float() for k in sd1])
     b = torch.cat([sd2[k].reshape(-1).float() for k in sd1])
@@ -81,7 +88,6 @@ def test_context_parallel_group_equals_one_rank(ray_session):
 def test_two_ranks_equal_one_rank_on_an_hf_model(ray_session, tmp_path):
     """DDP over an HF causal LM (model.hf_path, a random Llama): the same oracle as above (rel <= 2e-5)."""
     from rl.config import RunConfig
-    from rl.learner.group import LearnerGroup
     from tests.test_hf_policy import make_llama
 
     hf_dir = make_llama(tmp_path / "llama", vocab_size=4096)  # the fixtures' token ids reach 4095
@@ -91,15 +97,7 @@ def test_two_ranks_equal_one_rank_on_an_hf_model(ray_session, tmp_path):
                     "lr": 1e-3}})
     full, small = ragged_batch(seed=11, routed=False), ragged_batch(seed=12, n_groups=1, group_size=3,
                                                                     routed=False)
-    single = Learner(cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"num_ranks": 1})}))
-    group = LearnerGroup(cfg, torch_threads=1)
-    try:
-        init = group.state_dict()
-        m1 = [single.step(full), single.step(small)]
-        m2 = [group.step(full), group.step(small)]
-        sd1, sd2 = single.policy.state_dict(), group.state_dict()
-    finally:
-        group.shutdown()
+    init, m1, m2, sd1, sd2 = _one_rank_and_group(cfg, full, small)
     assert sd1.keys() == sd2.keys() and "lm_head.weight" in sd1
     a = torch.cat([sd1[k].reshape(-1).float() for k in sd1])
     b = torch.cat([sd2[k].reshape(-1).float() for k in sd1])
