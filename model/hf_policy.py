@@ -15,6 +15,9 @@ transformers): given `cu_seq_lens_q` it runs causal SDPA per sequence, O(sum L_i
 (transformers' own fallback for packed position_ids builds a block-diagonal [T, T] mask: 16x the work at 16
 sequences of 1K tokens); without it, it is transformers' sdpa (generate, padding, KV cache). No padding, and
 a token never attends to another sequence (tested against a per-sequence loop on an independent eager model).
+Shared prefixes (rl/learner/prefix_sharing.py): with `prefix_of` (int [N], per sequence the sequence it
+continues, or -1) a continuing sequence attends to all of its prefix, then causally to itself, at positions
+after the prefix's; so a GRPO group's prompt is computed once for its G completions.
 
 Decoding (TorchEngine): `HFPackedCache` keeps one row per sequence, each a tuple over layers of (K, V)
 [1, H_kv, L, D_h]. A forward never mutates the cache passed in; it returns a new one. A decode step (one new
@@ -33,6 +36,7 @@ router is not recorded), sequence-chunked and context-parallel forwards, the bal
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +67,7 @@ def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop("cu_seq_lens_q", None)
+    prefix_of = kwargs.pop("odyssey_prefix_of", None)
     if cu is None:  # not packed: transformers' sdpa (its mask, or causal when there is none)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -70,10 +75,21 @@ def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
         raise ValueError(f"{PACKED_ATTENTION}: a packed call (cu_seq_lens_q) takes one row and no mask; got "
                          f"batch {query.shape[0]}, mask {attention_mask is not None}")
     bounds = cu.tolist()
-    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                           scale=scaling, dropout_p=dropout if module.training else 0.0,
-                                           enable_gqa=key.shape[1] != query.shape[1])
-            for a, b in zip(bounds[:-1], bounds[1:])]
+    parents = prefix_of.tolist() if prefix_of is not None else [-1] * (len(bounds) - 1)
+    drop, gqa = (dropout if module.training else 0.0), key.shape[1] != query.shape[1]
+    outs = []
+    for a, b, parent in zip(bounds[:-1], bounds[1:], parents):
+        if parent < 0:  # a sequence of its own: causal
+            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                       is_causal=True, scale=scaling, dropout_p=drop,
+                                                       enable_gqa=gqa))
+            continue
+        pa, pb = bounds[parent], bounds[parent + 1]  # the prefix it continues: all of it, then causal
+        mask = torch.ones(b - a, pb - pa + b - a, dtype=torch.bool, device=query.device).tril(pb - pa)
+        outs.append(F.scaled_dot_product_attention(
+            query[:, :, a:b], torch.cat([key[:, :, pa:pb], key[:, :, a:b]], 2),
+            torch.cat([value[:, :, pa:pb], value[:, :, a:b]], 2), attn_mask=mask, scale=scaling,
+            dropout_p=drop, enable_gqa=gqa))
     return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
 
 
@@ -106,22 +122,75 @@ def _use_packed_attention(config) -> bool:
     return True
 
 
-def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """cu_seqlens int [N+1] -> position of each token within its sequence, int64 [cu_seqlens[-1]]."""
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor,
+                              prefix_of: torch.Tensor | None = None) -> torch.Tensor:
+    """cu_seqlens int [N+1] -> position of each token within its sequence, int64 [cu_seqlens[-1]]; with
+    prefix_of int [N] (sequence continued, or -1), a continuing sequence starts after its prefix's length."""
     cu = cu_seqlens.to(torch.long)
     lens = cu[1:] - cu[:-1]
     T = int(cu[-1])
-    starts = torch.repeat_interleave(cu[:-1], lens, output_size=T)
-    return torch.arange(T, device=cu.device) - starts
+    starts = cu[:-1]
+    if prefix_of is not None:
+        p = prefix_of.to(device=cu.device, dtype=torch.long)
+        starts = starts - torch.where(p >= 0, lens[p.clamp(min=0)], 0)
+    return torch.arange(T, device=cu.device) - torch.repeat_interleave(starts, lens, output_size=T)
+
+
+class KVBuffer:
+    """One layer's K and V buffers [N, H_kv, capacity, D_h] for batched decoding, `used` columns written.
+    Caches view their first W columns; one of width W appends in place only while used == W (no other cache
+    appended after it), else it copies into a new buffer, so a cache never sees another's later tokens."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, used: int) -> None:
+        self.k, self.v, self.used = k, v, used
+
+    @classmethod
+    def holding(cls, k: torch.Tensor, v: torch.Tensor, room: int) -> KVBuffer:
+        """A new buffer holding k, v [N, H_kv, W, D_h] with room for `room` more columns."""
+        N, H, W, D = k.shape
+        kb, vb = k.new_empty(N, H, W + room, D), v.new_empty(N, H, W + room, D)
+        kb[:, :, :W], vb[:, :, :W] = k, v
+        return cls(kb, vb, W)
+
+
+@functools.cache
+def _append_layer_class() -> type:
+    """AppendLayer (built on first use: transformers is imported lazily): a transformers DynamicLayer over a
+    KVBuffer whose `update` writes the new columns into the buffer instead of DynamicLayer's torch.cat of
+    the whole cache each step (~27% of a small model's decode step)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class AppendLayer(DynamicLayer):
+        def __init__(self, buf: KVBuffer, width: int) -> None:
+            super().__init__()
+            self.buf, self.width, self.is_initialized = buf, width, True
+            self.dtype, self.device = buf.k.dtype, buf.k.device
+            self.keys, self.values = buf.k[:, :, :width], buf.v[:, :, :width]
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            W, t, buf = self.width, key_states.shape[-2], self.buf
+            if buf.used != W or W + t > buf.k.shape[2]:  # another cache appended past W, or full: copy
+                buf = self.buf = KVBuffer.holding(buf.k[:, :, :W], buf.v[:, :, :W], max(W + t, 64))
+            buf.k[:, :, W:W + t], buf.v[:, :, W:W + t] = key_states, value_states
+            buf.used = self.width = W + t
+            self.keys, self.values = buf.k[:, :, :W + t], buf.v[:, :, :W + t]
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.width
+
+    return AppendLayer
 
 
 @dataclass(frozen=True)
 class BatchedKV:
-    """Rows decoded together, kept batched between decode steps: per layer (K, V) [N, H_kv, W, D_h] and
-    valid bool [N, W] (row i's tokens are its valid columns, in order; a shorter row has padding columns)."""
+    """Rows decoded together, kept batched between decode steps: per layer (K, V) [N, H_kv, W, D_h] (views of
+    `buffers`, where the next step appends in place) and valid bool [N, W] (row i's tokens are its valid
+    columns, in order; a shorter row has padding columns)."""
 
     layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     valid: torch.Tensor
+    buffers: tuple[KVBuffer, ...] = ()
 
 
 class HFPackedCache:
@@ -233,19 +302,26 @@ class HFPolicy(nn.Module):
         self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     # ---- packed forward (learner) ---------------------------------------------------------------
-    def packed_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def packed_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                      prefix_of: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T], cu_seqlens int [N+1] (0 .. T) -> last hidden states [T, D]; each sequence attends
-        only to itself, with positions from 0."""
+        only to itself, with positions from 0; prefix_of int [N] (module docstring, packed SDPA only): a
+        sequence i with prefix_of[i] = j >= 0 attends to all of sequence j first, at positions after it."""
         if input_ids.dim() != 1 or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
             raise ValueError(f"packed input: input_ids must be [T] and cu_seqlens run from 0 to T; got "
                              f"input_ids {tuple(input_ids.shape)}, cu_seqlens {cu_seqlens.tolist()[:8]}")
         cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
-        pos = positions_from_cu_seqlens(cu)
+        if prefix_of is not None and not self.packed_attention:
+            raise ValueError(f"shared prefixes need the packed SDPA attention; this model runs "
+                             f"{self.config._attn_implementation!r}: set learner.share_prefixes=false")
+        pos = positions_from_cu_seqlens(cu, prefix_of)
         lens = cu[1:] - cu[:-1]
         longest = int(lens.max())
         varlen = {}
         if self.packed_attention or self.config._attn_implementation.startswith("flash"):
             varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        if prefix_of is not None:
+            varlen["odyssey_prefix_of"] = prefix_of
         # else (sliding-window sdpa/eager): transformers builds a block-diagonal mask from position_ids
         out = self.model(input_ids=input_ids[None], position_ids=pos[None], use_cache=False, **varlen)
         return out.last_hidden_state[0]
@@ -333,32 +409,33 @@ class HFPolicy(nn.Module):
         """One new token per row, in one forward: the rows' K/V batched (as the previous decode step left
         them, or right-padded to the longest row), a padding mask over [past..., new], position_ids = each
         row's length. The result stays batched for the next step (no per-row copies)."""
-        if cache.batch is not None:
-            layers, valid = cache.batch.layers, cache.batch.valid
+        if cache.batch is not None and cache.batch.buffers:
+            valid, W = cache.batch.valid, int(cache.batch.valid.shape[1])
+            buffers = cache.batch.buffers
         else:
             L = cache.lengths
             N, Lmax, dev = len(L), max(L), input_ids.device
             valid = torch.arange(Lmax, device=dev)[None] < torch.tensor(L, device=dev)[:, None]
-            layers = []
+            buffers = []
             for j in range(len(cache.rows[0])):
-                ks = [r[j][0] for r in cache.rows]
-                vs = [r[j][1] for r in cache.rows]
-                if min(L) == Lmax:
-                    layers.append((torch.cat(ks), torch.cat(vs)))
-                    continue
-                K = ks[0].new_zeros(N, ks[0].shape[1], Lmax, ks[0].shape[-1])
-                V = vs[0].new_zeros(N, vs[0].shape[1], Lmax, vs[0].shape[-1])
-                for i, (k, v) in enumerate(zip(ks, vs)):
-                    K[i, :, : L[i]] = k[0]
-                    V[i, :, : L[i]] = v[0]
-                layers.append((K, V))
-        dc = self._dynamic_cache(layers)
+                k0, v0 = cache.rows[0][j]
+                # zeros in the padding columns (masked: finite, so no NaN through the masked softmax) and room
+                # for the next 64 decode steps before the buffers grow
+                K = k0.new_zeros(N, k0.shape[1], Lmax + 64, k0.shape[-1])
+                V = v0.new_zeros(N, v0.shape[1], Lmax + 64, v0.shape[-1])
+                for i, r in enumerate(cache.rows):
+                    K[i, :, : L[i]], V[i, :, : L[i]] = r[j][0][0], r[j][1][0]
+                buffers.append(KVBuffer(K, V, Lmax))
+            W = Lmax
+        dc = self._dynamic_cache(None)
+        dc.layers = [_append_layer_class()(b, W) for b in buffers]
         valid = torch.cat([valid, valid.new_ones(valid.shape[0], 1)], 1)
         mask = None if bool(valid.all()) else valid
         positions = valid.sum(1, keepdim=True) - 1
         out = self.model(input_ids=input_ids[:, None], position_ids=positions, attention_mask=mask,
                          past_key_values=dc, use_cache=True)
-        batch = BatchedKV(tuple((layer.keys, layer.values) for layer in dc.layers), valid)
+        batch = BatchedKV(tuple((layer.keys, layer.values) for layer in dc.layers), valid,
+                          tuple(layer.buf for layer in dc.layers))
         return out.last_hidden_state[:, 0], HFPackedCache(batch=batch)
 
     # ---- Odyssey-only features: documented no-ops -----------------------------------------------

@@ -215,6 +215,9 @@ class LearnerSection(_Section):
     value_coef: float = Field(0.5, ge=0.0)
     value_clip: float = Field(0.2, gt=0.0)
     micro_batch_tokens: int = Field(16384, ge=1)  # packed tokens per forward/backward (longer: alone)
+    # a GRPO group's common prompt runs through the model once for its G completions (HF full-attention
+    # policies; rl/learner/prefix_sharing.py); Odyssey's model computes every sequence whole either way
+    share_prefixes: bool = True
     activation_checkpointing: bool = False  # per decoder layer: recompute activations in the backward
     # a micro-batch longer than this runs in windows of this many tokens carrying KDA/MLA state; 0 = off
     sequence_chunk_tokens: int = Field(0, ge=0)

@@ -178,6 +178,33 @@ def test_cached_decode_equals_full_forward(any_dir):
     assert isinstance(cache, HFPackedCache)
 
 
+@torch.no_grad()
+def test_batched_decode_appends_in_place_but_never_into_another_branch(llama_dir):
+    """Decode steps append into one KV buffer in place; a second step from the same cache (a branch) copies
+    instead, so neither branch sees the other's token, and the first branch continues correctly after the
+    second wrote (logits == HF's full forward, <= 1e-5)."""
+    policy = HFPolicy.from_pretrained(llama_dir).eval()
+    oracle = reference(llama_dir)
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (4, 9)]
+    cu = torch.tensor([0, 4, 13], dtype=torch.int32)
+    _, cache = policy.packed_logits(torch.tensor(sum(seqs, [])), cu, policy.empty_cache(2))
+    step = torch.arange(3, dtype=torch.int32)
+    _, c1 = policy.packed_logits(torch.tensor([7, 8]), step, cache)
+    buf = c1.batch.buffers[0]
+    _, a = policy.packed_logits(torch.tensor([11, 12]), step, c1)
+    assert a.batch.buffers[0] is buf  # appended in place
+    lb, b = policy.packed_logits(torch.tensor([21, 22]), step, c1)  # a branch from c1: copies
+    assert b.batch.buffers[0] is not buf
+    la2, _ = policy.packed_logits(torch.tensor([31, 32]), step, a)
+    for i, s in enumerate(seqs):
+        want_b = oracle(input_ids=torch.tensor([s + [7 + i, 21 + i]])).logits[0, -1]
+        want_a = oracle(input_ids=torch.tensor([s + [7 + i, 11 + i, 31 + i]])).logits[0, -1]
+        assert (lb[i] - want_b).abs().max().item() <= PACKED_TOL
+        assert (la2[i] - want_a).abs().max().item() <= PACKED_TOL
+    assert c1.lengths == [5, 10] and a.lengths == [6, 11]
+
+
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(10, V, int(rng.integers(3, 14))).tolist() for _ in range(n)]

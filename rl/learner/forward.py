@@ -137,12 +137,17 @@ class TrainModule(nn.Module):
                                  f"({policy_p}), so it cannot read this micro-batch's "
                                  "images; use learner.critic_preset with the policy's vision settings, no "
                                  "critic_preset (a copy of the policy), or value_model=head")
+        if mb.prefix_of is not None and not isinstance(policy, HFPolicy):
+            raise ValueError("a micro-batch with shared prefixes (rl/learner/prefix_sharing.py) needs a "
+                             "Hugging Face policy with the packed SDPA; Odyssey's model computes every "
+                             "sequence whole: set learner.share_prefixes=false")
         if self.context_parallel_group is not None:
             return self._context_parallel(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values,
                                           mb.images)
         if self.chunks(mb) > 1:
             return self._chunked(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images)
-        return self._whole(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images)
+        return self._whole(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images,
+                           mb.prefix_of)
 
     def _chunked(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None, pos: torch.Tensor,
                  targets: torch.Tensor, return_routed: bool, values: bool, images: ImagePatches | None = None
@@ -206,14 +211,15 @@ class TrainModule(nn.Module):
                           routed=routed_all, aux=None)
 
     def _whole(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None, pos: torch.Tensor,
-               targets: torch.Tensor, return_routed: bool, values: bool, images: ImagePatches | None = None
-               ) -> ForwardOut:
-        """`forward` in one pass over the whole micro-batch (with its images, if any)."""
+               targets: torch.Tensor, return_routed: bool, values: bool, images: ImagePatches | None = None,
+               prefix_of: torch.Tensor | None = None) -> ForwardOut:
+        """`forward` in one pass over the whole micro-batch (with its images, if any; prefix_of: its shared
+        prefixes, an HF policy only)."""
         if isinstance(self.policy, HFPolicy):  # packed via position_ids (model/hf_policy.py); no routing
             if images is not None:
                 raise ValueError("a Hugging Face policy (model.hf_path) reads text only; these trajectories "
                                  "hold images: train them with an Odyssey preset (model.preset)")
-            h, routed, aux = self.policy.packed_hidden(ids, cu), None, None
+            h, routed, aux = self.policy.packed_hidden(ids, cu, prefix_of), None, None
         else:
             h, _, routed, aux = self.policy.model(ids, cu, None, rep, return_routed, images)
         hs = h[pos]

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from model.hf_policy import HFPolicy
 from model.moe import statistics_recording
 from rl.learner.advantages import gae, weight_negative
 from rl.learner.allocator import fix_mmap_threshold
@@ -56,6 +57,7 @@ from rl.learner.losses import aggregation_weights, objective, value_loss
 from rl.learner.off_policy import correction_weights
 from rl.learner.optim import build_optimizer, build_scheduler, clip_gradients
 from rl.learner.packing import MicroBatch, collate, pack
+from rl.learner.prefix_sharing import pack_shared, share_prefixes
 from rl.learner.routing import replay_agreement, routing_agreement
 from rl.learner.sharding import RankPlan, plan_step
 from rl.learner.value import Critic, build_value_model
@@ -92,6 +94,7 @@ class StepStats:
                 "micro_batches",
                 "sequence_chunks",
                 "advantage_sum",
+                "shared_tokens",
             ),
             0.0,
         )
@@ -142,8 +145,6 @@ def build_policy(cfg) -> torch.nn.Module:
 
 def _is_hf_moe(policy: torch.nn.Module) -> bool:
     """An HF causal LM (model.hf_policy.HFPolicy) with routed experts in its config."""
-    from model.hf_policy import HFPolicy
-
     c = policy.config
     experts = (getattr(c, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
     return isinstance(policy, HFPolicy) and any(experts)
@@ -222,8 +223,14 @@ class Learner:
             warnings.warn(f"learner.routing_replay does not apply to {name} (an HF MoE "
                           "model): its rollout routing is not recorded, so the learner routes freely and "
                           "reports no moe/ or routing metrics (docs/hf.md)", stacklevel=2)
+        # a group's common prompt once per micro-batch: attention that reads every earlier token (HF packed
+        # SDPA) only, and no separate critic trunk reading the same layout
+        self.share = (lc.share_prefixes and isinstance(self.policy, HFPolicy) and self.policy.packed_attention
+                      and not isinstance(value, Critic))
         self.policy_steps = 0  # completed step() / update() calls
         self.optimizer_steps = 0
+        # what the current step has summed (step() starts a fresh one; a bare accumulate() adds to this)
+        self._stats = StepStats(len(self.policy.moe_layer_indices))
 
     def _context_parallel_group(self, R: int) -> tuple[Any, int]:
         """(this rank's context-parallel process group | None, its rank in it). Ranks r // R share a group
@@ -370,6 +377,8 @@ class Learner:
                 "learner/optimizer_steps": float(len(losses)),
                 "learner/micro_batches": sums["micro_batches"],
                 "learner/sequence_chunks": sums["sequence_chunks"],
+                # tokens a shared prefix spared the forward (counted once per epoch; prefix_sharing.py)
+                "learner/shared_prefix_tokens": sums["shared_tokens"],
                 "learner/lr": float(self.scheduler.get_last_lr()[0]),
                 "learner/policy_loss": sums["policy_loss"] / n_opt,
                 "learner/kl": sums["kl"] / scored,
@@ -409,10 +418,16 @@ class Learner:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    def _bins(self, samples: Sequence[Sample]) -> list[list[int]]:
+        """Micro-batches of `samples` (indices): first-fit decreasing, a sharing group kept together."""
+        if self.share:
+            return pack_shared(samples, self.lc.micro_batch_tokens)
+        return pack([s.n_tokens for s in samples], self.lc.micro_batch_tokens)
+
     def _collate(self, samples: Sequence[Sample], fields: Sequence[str], routing: bool) -> MicroBatch:
         with_replay = (self.replay or routing) and all(s.replay is not None for s in samples)
-        return collate(samples, fields, with_replay=with_replay,
-                       patch_size=self.facts.vision_patch_size)
+        mb = collate(samples, fields, with_replay=with_replay, patch_size=self.facts.vision_patch_size)
+        return share_prefixes(mb, samples) if self.share else mb
 
     @torch.no_grad()
     def _first_pass(
@@ -420,7 +435,7 @@ class Learner:
     ) -> None:
         """Fill old_logp / ref_logp / old_values of `samples` and count routing agreement (no gradients,
         no MoE statistics)."""
-        bins = pack([s.n_tokens for s in samples], self.lc.micro_batch_tokens)
+        bins = self._bins(samples)
         modules = [self.module] + ([self.reference] if self.reference is not None else [])
         with contextlib.ExitStack() as stack:
             for m in modules:
@@ -490,12 +505,13 @@ class Learner:
         """Forward and backward every packed micro-batch of `samples` (gradients add up in .grad; under DDP
         they are averaged over ranks at the last micro-batch). n_tokens / n_episodes: the minibatch's, over
         all ranks. Returns this rank's part of the minibatch loss."""
-        bins = pack([s.n_tokens for s in samples], self.lc.micro_batch_tokens)
+        bins = self._bins(samples)
         if not bins and self.distributed:
             self._idle_backward()
         total = 0.0
         for j, b in enumerate(bins):
             mb = self._collate([samples[i] for i in b], self.token_fields(fused_old), routing)
+            self._stats.sums["shared_tokens"] += float(sum(samples[i].n_tokens for i in b) - mb.n_tokens)
             total += self.backward_micro_batch(
                 mb,
                 n_tokens,
@@ -530,8 +546,6 @@ class Learner:
         update is made of, and the seam where a trajectory split into sequence chunks will be processed.
         sync: under DDP, whether this backward averages the gradients over ranks (the last micro-batch
         of a minibatch). Returns this micro-batch's part of the minibatch loss."""
-        if not hasattr(self, "_stats"):
-            self._stats = StepStats(len(self.policy.moe_layer_indices))
         no_sync = self.distributed and not sync
         with self.ddp.no_sync() if no_sync else contextlib.nullcontext():
             loss = self._micro_batch_loss(mb, n_tokens, n_episodes, fused_old, first_epoch, routing)

@@ -58,7 +58,9 @@ class MicroBatch:
     scored_pos int64 [M]: positions in [0, L) whose next token is scored; targets int64 [M]: those tokens;
     seq int64 [M]: which of the N sequences each scored token belongs to; seq_tokens int64 [N]: scored tokens
     per sequence; data: per-scored-token float64 tensors [M] named like the sample fields they come from;
-    images: the patches of every sample's images, token_index into input_ids (None when there are none).
+    images: the patches of every sample's images, token_index into input_ids (None when there are none);
+    prefix_of int64 [N'] or None: per segment, the segment it continues (attends to whole, positions after
+    it) or -1; set by rl/learner/prefix_sharing.py, None = every segment stands alone.
     """
 
     input_ids: torch.Tensor
@@ -70,6 +72,7 @@ class MicroBatch:
     seq_tokens: torch.Tensor
     data: dict[str, torch.Tensor]
     images: ImagePatches | None = None
+    prefix_of: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
