@@ -267,14 +267,24 @@ def progress_lines(cfg: RunConfig) -> int:
 
 def _batch(kind: str) -> list:
     """Scored trajectories for the small policy. "ragged": groups of single-turn episodes (rewards 0/1/2);
-    "turns": two-turn episodes with per-turn rewards, a quarter of them truncated."""
+    "turns": two-turn episodes with per-turn rewards, a quarter of them truncated; "shared": ragged, each
+    group's members with one 24-token prompt (ids within the shipped tokenizer, for an HF checkpoint)."""
     import numpy as np
 
+    from model.tokenizer import load_tokenizer
     from tests.learner_fixtures import ragged_batch, scored_traj
 
     if kind == "ragged":
         return ragged_batch(seed=0)
     rng = np.random.default_rng(1)
+    if kind == "shared":
+        out = ragged_batch(seed=0, routed=False, lengths=[40 + 3 * i for i in range(8)])
+        for g in range(2):
+            prompt = rng.integers(16, len(load_tokenizer()), 24).astype(np.int32)
+            for t in out[4 * g:4 * g + 4]:
+                t.tokens[:24] = prompt
+                t.tokens %= len(load_tokenizer())
+        return out
     out = []
     for g in range(2):
         for i in range(4):
@@ -472,6 +482,9 @@ PROBES |= {
     "learner.value_coef": Probe("learner.value_coef=2.0", learner_steps(), GAE, L),
     "learner.value_clip": Probe("learner.value_clip=1e-4", learner_steps(), (*GAE, *EPOCHS), L),
     "learner.micro_batch_tokens": Probe("learner.micro_batch_tokens=64", learner_steps(), start=L),
+    # a group's common prompt computed once (HF policies): fewer tokens through the model, reported
+    "learner.share_prefixes": Probe("learner.share_prefixes=false", learner_steps("shared"),
+                                    base=("model.hf_path=<hf_checkpoint>",)),
     "learner.activation_checkpointing": Probe(
         "learner.activation_checkpointing=true", learner_steps(), start=L
     ),

@@ -15,8 +15,15 @@ fed on the segment's engine session, exactly as `run_episode` does. Otherwise th
 history (dropped, edited or summarised messages, changed the tools): a new segment starts from the full
 rendering of the request, and `metadata["context_replaced_at"]` records at which request.
 
+Images: a system, user or tool message may hold OpenAI image parts, {"type": "image_url", "image_url":
+{"url": "data:image/png;base64,..."}} (inline data URLs only: rollouts have no network). When the policy
+reads images (a vision preset) each is prepared as env images are (model/image.py) and its token block
+sits in the recorded tokens, the PNG in `Trajectory.images`; a text-only policy, a remote URL, bad base64
+or undecodable bytes get a 400 naming the problem. Two requests hold the same image when its bytes are.
+
 Completion requests (`prompt` as text or as token ids) extend the open segment when the prompt ids start
-with all of its tokens; otherwise they start a new segment.
+with all of its tokens; otherwise they start a new segment. They carry no images: image token ids in a
+prompt are refused.
 
 Each assistant turn's text is parsed with the env tool-call protocol (envs/tool_call.py): well-formed
 `<tool_call>` blocks become OpenAI `tool_calls` (arguments as JSON text), the rest of the text is the
@@ -28,6 +35,10 @@ the per-turn cap.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from envs.tool_call import ToolCall, format_tool_call, parse_tool_calls, without_surrogates
+from model.image_tokens import IMAGE_TOKEN_IDS
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, _Builder, _split_routing
 from rl.rollout.engine import GenerationRequest, InferenceEngine, Session
 from rl.rollout.sampling import SamplingParams
@@ -82,25 +94,64 @@ class _Segment:
 
 
 def message_text(content: Any, where: str) -> str:
-    """The text of an OpenAI message `content`: a string, None, or a list of {"type": "text"} parts."""
+    """The text of an OpenAI message `content` that holds no images: a string, None, or text parts."""
+    parts = message_parts(content, where, {})
+    if any(kind == "image" for kind, _ in parts):
+        raise RequestError(f"{where}.content: an image part in an assistant message; only system, user and "
+                           "tool messages may hold images (the policy writes text)")
+    return "".join(text for _, text in parts)
+
+
+def message_parts(content: Any, where: str, images: dict[str, bytes]) -> list[tuple[str, str]]:
+    """An OpenAI message `content` (a string, None, or a list of text and image_url parts) as
+    [("text", text) | ("image", sha256 of the image's bytes)]; each image's bytes are put in `images`."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(
-                    f"{where}.content[{i}]: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
-                    f"got type {kind!r}; this policy endpoint serves text"
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise RequestError(
-        f"{where}.content must be a string, null or a list of text parts, got {type(content).__name__}"
-    )
+        return [("text", content)]
+    if not isinstance(content, list):
+        raise RequestError(
+            f"{where}.content must be a string, null or a list of text / image_url parts, got "
+            f"{type(content).__name__}"
+        )
+    out = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append(("text", part["text"]))
+        elif kind == "image_url":
+            data = data_url_bytes(part.get("image_url"), f"{where}.content[{i}].image_url")
+            sha = hashlib.sha256(data).hexdigest()
+            images.setdefault(sha, data)
+            out.append(("image", sha))
+        else:
+            raise RequestError(
+                f"{where}.content[{i}]: a part must be {{'type': 'text', 'text': ...}} or {{'type': "
+                f"'image_url', 'image_url': {{'url': 'data:image/png;base64,...'}}}}, got type {kind!r}"
+            )
+    return out
+
+
+def data_url_bytes(image_url: Any, where: str) -> bytes:
+    """The bytes of an OpenAI `image_url` ({"url": ..., "detail": ...} or the URL string) that is an inline
+    base64 data URL; anything else is a RequestError naming the fix."""
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str):
+        raise RequestError(f"{where} must be {{'url': 'data:image/png;base64,...'}}")
+    if not url.startswith("data:"):
+        raise RequestError(
+            f"{where}.url is {url[:40]!r}...: this endpoint fetches nothing (rollouts have no network); send "
+            "the image inline as a base64 data URL, data:image/png;base64,<bytes>", "invalid_image_url"
+        )
+    head, sep, body = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise RequestError(f"{where}.url: a data URL must be base64 (data:image/png;base64,...)",
+                           "invalid_image_url")
+    try:
+        return base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise RequestError(f"{where}.url: the data URL's base64 does not decode: {err}",
+                           "invalid_image_url") from None
 
 
 def _tool_calls(message: dict, where: str) -> list[tuple[str, dict[str, Any]]]:
@@ -124,9 +175,11 @@ def _tool_calls(message: dict, where: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def canonical(messages: list[Any], tools: list[dict] | None) -> list[tuple]:
-    """The request as comparable tuples: the tools first, then (role, text, tool calls) per message.
-    Tool-call ids and other fields (name, refusal, annotations) do not take part."""
+def canonical(messages: list[Any], tools: list[dict] | None, images: dict[str, bytes] | None = None
+              ) -> list[tuple]:
+    """The request as comparable tuples: the tools first, then (role, content, tool calls) per message, the
+    content its text, or with images a tuple of ("text", text) / ("image", sha256) parts (the image bytes
+    put in `images`). Tool-call ids and other fields (name, refusal, annotations) do not take part."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of chat messages")
     out: list[tuple] = [("tools", json.dumps(tools or [], sort_keys=True))]
@@ -142,17 +195,28 @@ def canonical(messages: list[Any], tools: list[dict] | None) -> list[tuple]:
                 f"{where}.role must be system, developer, user, assistant or tool, got {role!r}"
             )
         calls = _tool_calls(m, where) if role == "assistant" else []
-        text = without_surrogates(message_text(m.get("content"), where))
-        out.append((role, text, json.dumps(calls, sort_keys=True)))
+        if role == "assistant":
+            content: str | tuple = without_surrogates(message_text(m.get("content"), where))
+        else:
+            parts = message_parts(m.get("content"), where, {} if images is None else images)
+            if any(kind == "image" for kind, _ in parts):
+                content = tuple((k, without_surrogates(v) if k == "text" else v) for k, v in parts)
+            else:
+                content = without_surrogates("".join(v for _, v in parts))
+        out.append((role, content, json.dumps(calls, sort_keys=True)))
     return out
 
 
-def _template_message(item: tuple) -> dict:
-    """A canonical message as the chat template takes it: tool calls inline in the assistant content."""
-    role, text, calls = item
+def _template_message(item: tuple, images: dict[str, bytes]) -> dict:
+    """A canonical message as the chat template takes it: tool calls inline in the assistant content, image
+    parts as {"type": "image", "image": bytes} (the codec prepares them)."""
+    role, content, calls = item
     if role == "assistant":
-        text = text + "".join(format_tool_call(n, a) for n, a in json.loads(calls))
-    return {"role": role, "content": text}
+        content = content + "".join(format_tool_call(n, a) for n, a in json.loads(calls))
+    elif isinstance(content, tuple):
+        content = [{"type": "text", "text": v} if k == "text" else {"type": "image", "image": images[v]}
+                   for k, v in content]
+    return {"role": role, "content": content}
 
 
 def _serialisable(arguments: dict[str, Any]) -> bool:
@@ -200,7 +264,8 @@ class EpisodeRecorder:
         """Serve one chat request: generate the next assistant turn of `messages`."""
         async with self._lock:
             self.requests += 1
-            new = canonical(messages, tools)
+            images: dict[str, bytes] = {}  # this request's image bytes by sha256
+            new = canonical(messages, tools, images)
             if new[-1][0] == "assistant":
                 raise RequestError(
                     "the last message is an assistant message; end with a user or tool message"
@@ -212,13 +277,16 @@ class EpisodeRecorder:
                 and len(new) > len(seg.history)
                 and new[: len(seg.history)] == seg.history
             ):
-                added = [_template_message(m) for m in new[len(seg.history) :]]
-                pending = [("assistant", [self.codec.eot_id])] if seg.needs_eot else []
-                pending.append(("observation", self.codec.continuation(added)))
+                first = len(seg.history) - 1  # messages[first] is the first new one
+                added = self._prepared([_template_message(m, images) for m in new[len(seg.history) :]], first)
+                pending = [("assistant", [self.codec.eot_id], [])] if seg.needs_eot else []
+                enc = self.codec.encode_observation(added)
+                pending.append(("observation", enc.ids, enc.images))
             else:
-                added = [_template_message(m) for m in new[1:]]
+                added = self._prepared([_template_message(m, images) for m in new[1:]], 0)
                 seg = _Segment(mode="chat", started_at=self.requests, n_prompt_messages=len(added))
-                pending = [("prompt", self.codec.render_prompt(added, tools))]
+                enc = self.codec.encode_prompt(added, tools)
+                pending = [("prompt", enc.ids, enc.images)]
             turn = await self._generate(seg, pending, max_tokens)
             content, calls = _split_turn(turn.text)
             turn.content, turn.tool_calls = content, calls
@@ -226,7 +294,7 @@ class EpisodeRecorder:
                 turn.finish_reason = "tool_calls"
             said = ("assistant", without_surrogates(content or ""), json.dumps(calls, sort_keys=True))
             seg.history = [*new, said]
-            seg.messages += [*added, {"role": "assistant", "content": turn.text}]
+            seg.messages += [*self.codec.for_record(added), {"role": "assistant", "content": turn.text}]
             tool_calls = [{"name": n, "arguments": a} for n, a in calls]
             seg.step_infos.append(StepInfo(turn=self.turns, tool_calls=tool_calls))
             return turn
@@ -247,13 +315,17 @@ class EpisodeRecorder:
             bad = [i for i in ids if not 0 <= i < vocab]
             if bad:
                 raise RequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+            if self.codec.patch_size and any(i in IMAGE_TOKEN_IDS for i in ids):  # a vision policy's blocks
+                raise RequestError(f"the prompt holds image tokens (ids {sorted(IMAGE_TOKEN_IDS)}); a "
+                                   "completion carries no image: send images as image_url parts to "
+                                   "/v1/chat/completions")
             seg = self.segments[-1] if self.segments else None
             held = seg.builder.tokens if seg is not None and seg.mode == "completion" else None
             if held is not None and len(ids) > len(held) and ids[: len(held)] == held:
-                pending = [("observation", ids[len(held) :])]
+                pending = [("observation", ids[len(held) :], [])]
             else:
                 seg = _Segment(mode="completion", started_at=self.requests, n_prompt_messages=1)
-                pending = [("prompt", ids)]
+                pending = [("prompt", ids, [])]
             turn = await self._generate(seg, pending, max_tokens, stop_on_tool_call=False)
             seg.messages += [
                 {"role": "user", "content": self.codec.decode(pending[0][1])},
@@ -263,6 +335,23 @@ class EpisodeRecorder:
             return turn
 
     # ------------------------------------------------------------------ internals
+    def _prepared(self, messages: list[dict], first: int) -> list[dict]:
+        """`messages` (request messages[first:]) with each image decoded and sized for the policy
+        (ChatCodec.prepare); a text-only policy or a bad image is the request's error."""
+        out = []
+        for j, m in enumerate(messages):
+            if not isinstance(m["content"], list):
+                out.append(m)
+                continue
+            if not self.codec.patch_size:
+                raise RequestError(f"messages[{first + j}] holds an image but this policy reads text only "
+                                   "(its model has no vision_patch_size): send text", "images_not_supported")
+            try:
+                out += self.codec.prepare([m])
+            except ValueError as err:  # model.image.ImageError: not an image, too large, ...
+                raise RequestError(f"messages[{first + j}]: {err}", "invalid_image") from None
+        return out
+
     def _open(self, seg: _Segment) -> None:
         """Make `seg` the open segment (when its first turn was generated): the previous one's engine
         session is released, since the agent left that context."""
@@ -277,7 +366,7 @@ class EpisodeRecorder:
     async def _generate(
         self,
         seg: _Segment,
-        pending: list[tuple[str, list[int]]],
+        pending: list[tuple[str, list[int], list]],
         max_tokens: int | None,
         stop_on_tool_call: bool = True,
     ) -> TurnResult:
@@ -290,7 +379,7 @@ class EpisodeRecorder:
                 f"this episode's turn limit ({cfg.max_turns} generations) is reached; finish the task",
                 "turn_limit_exceeded",
             )
-        n_new = sum(len(ids) for _, ids in pending)
+        n_new = sum(len(ids) for _, ids, _ in pending)
         budget = cfg.max_episode_tokens - self.total_tokens - n_new
         if budget <= 0:
             self.truncated = "token_budget"
@@ -311,20 +400,24 @@ class EpisodeRecorder:
             stop_strings=stop_strs,
             seed=hash((self.draw, self.turns)) & 0x7FFFFFFF,
         )
-        prompt_ids = [t for _, ids in pending for t in ids]
+        prompt_ids = [t for _, ids, _ in pending for t in ids]
+        images, offset = [], 0  # (offset in prompt_ids, PreparedImage)
+        for _, ids, imgs in pending:
+            images += [(offset + o, img) for o, img in imgs]
+            offset += len(ids)
+        request = GenerationRequest(prompt_ids, params, seg.session, request_id=f"{self.draw}:{self.turns}",
+                                    images=images)
         try:
-            res = await self.engine.agenerate(
-                GenerationRequest(prompt_ids, params, seg.session, request_id=f"{self.draw}:{self.turns}")
-            )
+            res = await self.engine.agenerate(request)
         except Exception as e:  # the engine's failure, never the agent's: the pending tokens were not seen
             self.infra_error = f"engine: {type(e).__name__}: {e}"[:2000]
             raise EngineFailure(self.infra_error) from e
         self._open(seg)
         seg.session = res.session
-        for (role, ids), r in zip(
-            pending, _split_routing(res.prompt_routed_experts, [len(i) for _, i in pending])
+        for (role, ids, imgs), r in zip(
+            pending, _split_routing(res.prompt_routed_experts, [len(i) for _, i, _ in pending])
         ):
-            seg.builder.add(role, ids, routed=r)
+            seg.builder.add(role, ids, routed=r, images=imgs)
         versions = list(getattr(res, "token_versions", None) or [res.weight_version] * len(res.token_ids))
         seg.builder.add(
             "assistant", res.token_ids, logprobs=res.logprobs, routed=res.routed_experts, versions=versions
@@ -366,6 +459,8 @@ class EpisodeRecorder:
             TurnSpan(s.role, s.start + int(o), s.end + int(o)) for t, o in zip(segs, starts) for s in t.turns
         ]
         routed = [t.routed_experts for t in segs]
+        spans = [dataclasses.replace(sp, start=sp.start + int(o), end=sp.end + int(o))
+                 for t, o in zip(segs, starts) for sp in t.image_spans]
         last = segs[-1]
         meta = {
             **last.metadata,
@@ -390,6 +485,8 @@ class EpisodeRecorder:
             infra_error=last.infra_error,
             metadata=meta,
             token_versions=np.concatenate([t.token_versions for t in segs]),
+            images={k: v for t in segs for k, v in t.images.items()},
+            image_spans=spans,
         )
 
     def trajectories(self, outcome: float | None, metadata: dict[str, Any]) -> list[Trajectory]:
@@ -426,6 +523,8 @@ class EpisodeRecorder:
                     infra_error=self.infra_error,
                     metadata=meta,
                     token_versions=np.asarray(b.versions, dtype=np.int32),
+                    images=b.images,
+                    image_spans=b.image_spans,
                 )
             )
         return out
