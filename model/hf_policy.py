@@ -190,7 +190,7 @@ class BatchedKV:
 
     layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     valid: torch.Tensor
-    buffers: tuple[KVBuffer, ...] = ()
+    buffers: tuple[KVBuffer, ...]
 
 
 class HFPackedCache:
@@ -409,7 +409,7 @@ class HFPolicy(nn.Module):
         """One new token per row, in one forward: the rows' K/V batched (as the previous decode step left
         them, or right-padded to the longest row), a padding mask over [past..., new], position_ids = each
         row's length. The result stays batched for the next step (no per-row copies)."""
-        if cache.batch is not None and cache.batch.buffers:
+        if cache.batch is not None:
             valid, W = cache.batch.valid, int(cache.batch.valid.shape[1])
             buffers = cache.batch.buffers
         else:

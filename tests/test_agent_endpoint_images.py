@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 
 import numpy as np
 import pytest
@@ -25,17 +24,10 @@ from rl.rollout.agent_loop import ChatCodec, EpisodeConfig
 from rl.rollout.engine import TorchEngine
 from rl.trajectory import TrajectoryStore, check_image_tokens
 from tests.test_agent_endpoint import _episode, _Served, arith_task
+from tests.test_vision_agent_loop import png
 
 P, MAX_PIXELS = 8, 64 * 64
 CFG = EpisodeConfig(max_new_tokens=6, max_episode_tokens=4096, stop_on_tool_call=False)
-
-
-def png(seed: int, h: int, w: int) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def image_part(data: bytes) -> dict:

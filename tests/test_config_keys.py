@@ -278,12 +278,13 @@ def _batch(kind: str) -> list:
         return ragged_batch(seed=0)
     rng = np.random.default_rng(1)
     if kind == "shared":
+        vocab = len(load_tokenizer())
         out = ragged_batch(seed=0, routed=False, lengths=[40 + 3 * i for i in range(8)])
         for g in range(2):
-            prompt = rng.integers(16, len(load_tokenizer()), 24).astype(np.int32)
+            prompt = rng.integers(16, vocab, 24).astype(np.int32)
             for t in out[4 * g:4 * g + 4]:
                 t.tokens[:24] = prompt
-                t.tokens %= len(load_tokenizer())
+                t.tokens %= vocab
         return out
     out = []
     for g in range(2):

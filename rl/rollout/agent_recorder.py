@@ -175,8 +175,7 @@ def _tool_calls(message: dict, where: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def canonical(messages: list[Any], tools: list[dict] | None, images: dict[str, bytes] | None = None
-              ) -> list[tuple]:
+def canonical(messages: list[Any], tools: list[dict] | None, images: dict[str, bytes]) -> list[tuple]:
     """The request as comparable tuples: the tools first, then (role, content, tool calls) per message, the
     content its text, or with images a tuple of ("text", text) / ("image", sha256) parts (the image bytes
     put in `images`). Tool-call ids and other fields (name, refusal, annotations) do not take part."""
@@ -198,7 +197,7 @@ def canonical(messages: list[Any], tools: list[dict] | None, images: dict[str, b
         if role == "assistant":
             content: str | tuple = without_surrogates(message_text(m.get("content"), where))
         else:
-            parts = message_parts(m.get("content"), where, {} if images is None else images)
+            parts = message_parts(m.get("content"), where, images)
             if any(kind == "image" for kind, _ in parts):
                 content = tuple((k, without_surrogates(v) if k == "text" else v) for k, v in parts)
             else:
