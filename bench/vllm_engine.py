@@ -41,9 +41,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+from rl.policy import build_policy  # noqa: E402
 from rl.rollout.agent_loop import EpisodeConfig  # noqa: E402
 from rl.rollout.engine import TorchEngine  # noqa: E402
-from rl.rollout.worker import RolloutWorker, WorkerSettings, build_policy  # noqa: E402
+from rl.rollout.worker import RolloutWorker, WorkerSettings  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "vllm_engine.json"
 

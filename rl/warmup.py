@@ -351,14 +351,13 @@ def build_model(cfg: Any) -> Any:
     """The policy to warm up, in fp32 train mode: `model.init_from` when set, else the preset initialised
     with `learner.seed` (the same weights a rollout worker would build)."""
     from rl.config import is_hf_policy
-    from rl.rollout.worker import WorkerSettings, build_policy
+    from rl.policy import PolicySpec, build_policy
 
     if is_hf_policy(cfg.model):
         raise ValueError(f"the SFT warm-up runs on Odyssey's model only (its packed prefix cache); "
                          f"{cfg.model.checkpoint} is a Hugging Face checkpoint: fine-tune it with its own "
                          "tools (e.g. TRL's SFTTrainer) and pass the result as model.hf_path")
-    settings = dataclasses.replace(WorkerSettings.from_config(cfg), dtype="float32")
-    return build_policy(settings).float().train()
+    return build_policy(PolicySpec.from_config(cfg).replace(dtype="float32"), train=True)
 
 
 @dataclass
@@ -462,21 +461,21 @@ def evaluate(
     seed: int = 7,
     concurrency: int = 16,
 ) -> dict[str, Any]:
-    """Success rate of `model` on `episodes` fresh tasks, played through the real agent loop and
-    TorchEngine (budgets from cfg.rollout; tools in-process like the warm-up). Episode seeds are
+    """Success rate of `model` on `episodes` fresh tasks, played through the real agent loop on the engine
+    rollout.engine names (`rl.rollout.worker.build_engine`; budgets from cfg.rollout; tools in-process like
+    the warm-up). Episode seeds are
     seed * 1_000_003 + i (the rollout's scheme), disjoint from the warm-up's data seeds.
 
     Returns {"success_rate", "episodes", "well_formed": fraction of turns with tool calls and no tool errors,
     "tasks": task ids, "outcomes": per-episode outcome (None for truncated), "wall_s"}."""
     from model.tokenizer import load_tokenizer
-    from rl.rollout.engine import TorchEngine
-    from rl.rollout.worker import WorkerSettings
+    from rl.rollout.worker import WorkerSettings, build_engine
 
     codec = vision_codec(load_tokenizer(), model)
-    settings = WorkerSettings.from_config(cfg)
+    settings = dataclasses.replace(WorkerSettings.from_config(cfg), max_batch_size=max(64, concurrency))
     env_id, env_kwargs = settings.env_id, settings.env_kwargs
     ep_cfg = dataclasses.replace(settings.episode, temperature=temperature)
-    engine = TorchEngine(model.eval(), detokenize=codec.decode, max_batch_size=max(64, concurrency))
+    engine, engine_dir = build_engine(settings, codec.decode, policy=model.eval())  # rollout.engine's kind
     t0 = time.perf_counter()
 
     async def main() -> list[Any]:
@@ -492,7 +491,11 @@ def evaluate(
         finally:
             await engine.aclose()
 
-    trajs = asyncio.run(main())
+    try:
+        trajs = asyncio.run(main())
+    finally:
+        if engine_dir:
+            shutil.rmtree(engine_dir, ignore_errors=True)
     infos = [s for t in trajs for s in t.step_infos]
     bad = sum(bool(s.get("tool_errors")) or not s.get("tool_calls") for s in infos)
     return {

@@ -450,7 +450,8 @@ def test_odyssey_train_runs_an_openai_client_agent_faithfully(ray_session, tmp_p
     steps on them, and every stored trajectory of the first policy version equals the trainer's forward
     of that version (log-probs <= 1e-4, routes equal)."""
     from rl.config import load_config
-    from rl.rollout.worker import WorkerSettings, build_policy
+    from rl.policy import build_policy
+    from rl.rollout.worker import WorkerSettings
     from rl.train import train
     from rl.trajectory import TrajectoryStore
 

@@ -59,7 +59,7 @@ def settings(cfg: RunConfig):
 
 def policy(cfg: RunConfig) -> dict[str, Any]:
     """The rollout worker's policy (on the meta device for presets larger than tiny)."""
-    from rl.rollout.worker import build_policy
+    from rl.policy import build_policy
 
     s = settings(cfg)
     with torch.device("meta" if s.model_preset != "tiny" and not s.checkpoint else "cpu"):
@@ -594,7 +594,7 @@ def test_overrides_apply_on_top_of_a_checkpoint_and_a_wrong_preset_is_named(chec
     model.preset that does not describe the checkpoint is an error naming the fields, not ignored."""
     fill = {"checkpoint": checkpoint, "tmp": str(tmp_path)}
     cfg = _load(["model.init_from=<checkpoint>", "model.overrides={balancing: none}"], fill, "quickstart")
-    from rl.rollout.worker import build_policy
+    from rl.policy import build_policy
 
     m = build_policy(settings(cfg))
     assert m.config.balancing == "none" and {moe.balancing for moe in m.moe_layers()} == {"none"}

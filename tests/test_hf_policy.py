@@ -322,7 +322,8 @@ def test_learner_save_load_roundtrip_is_an_hf_checkpoint(llama_dir, tmp_path):
 
 
 def test_init_from_a_non_odyssey_checkpoint_loads_it_as_hf(llama_dir, tmp_path):
-    from rl.rollout.worker import WorkerSettings, build_policy
+    from rl.policy import build_policy
+    from rl.rollout.worker import WorkerSettings
 
     path = tmp_path / "c.yaml"
     path.write_text("env: {id: arith}\n")

@@ -24,9 +24,10 @@ import envs
 from model.tokenizer import load_tokenizer
 from rewards.compose import compose
 from rl.learner import Learner
+from rl.policy import build_policy
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
 from rl.rollout.engine import TorchEngine
-from rl.rollout.worker import WorkerSettings, build_policy
+from rl.rollout.worker import WorkerSettings
 from tests.learner_fixtures import small_config
 from tests.trl_oracle import trl_loss
 

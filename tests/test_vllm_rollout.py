@@ -25,8 +25,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.docker, pytest.mark
 def test_odyssey_rollout_with_vllm_engine(ray_session, docker_sandbox, tmp_path):
     require_vllm()
     from rl.config import load_config
+    from rl.policy import build_policy
     from rl.rollout.cli import cli_main
-    from rl.rollout.worker import WorkerSettings, build_policy
+    from rl.rollout.worker import WorkerSettings
 
     run_dir = tmp_path / "run"
     overrides = ["rollout.engine=vllm", "rollout.num_workers=1", "rollout.concurrent_episodes=2",

@@ -33,7 +33,6 @@ idle rank runs a zero-weighted one-token forward), and the metrics are summed ov
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import random
 import time
 import warnings
@@ -61,6 +60,7 @@ from rl.learner.prefix_sharing import pack_shared, share_prefixes
 from rl.learner.routing import replay_agreement, routing_agreement
 from rl.learner.sharding import RankPlan, plan_step
 from rl.learner.value import Critic, build_value_model
+from rl.policy import PolicySpec, build_policy
 from rl.trajectory import Trajectory
 
 STATE_FILE = "learner_state.pt"
@@ -133,14 +133,11 @@ class StepStats:
         self.ratio_max = float(mx)
 
 
-def build_policy(cfg) -> torch.nn.Module:
-    """The policy in fp32 train mode (fp32 master weights whatever model.dtype says): `model.init_from` when
-    set, else the preset initialised with `learner.seed` (the same weights a rollout worker builds)."""
-    from rl.rollout.worker import WorkerSettings
-    from rl.rollout.worker import build_policy as build_rollout_policy
-
-    settings = dataclasses.replace(WorkerSettings.from_config(cfg), dtype="float32")
-    return build_rollout_policy(settings).float().train()
+def master_policy(cfg) -> torch.nn.Module:
+    """The policy in fp32 train mode (fp32 master weights whatever model.dtype says), by the one factory
+    `rl.policy.build_policy`: `model.init_from` when set, else the preset initialised with `learner.seed`
+    (the same weights a rollout worker builds)."""
+    return build_policy(PolicySpec.from_config(cfg).replace(dtype="float32"), train=True)
 
 
 def _is_hf_moe(policy: torch.nn.Module) -> bool:
@@ -174,7 +171,7 @@ class Learner:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        self.policy = build_policy(cfg).to(self.device)
+        self.policy = master_policy(cfg).to(self.device)
         if lc.activation_checkpointing:
             self.policy.gradient_checkpointing_enable()
         value = None
@@ -188,7 +185,7 @@ class Learner:
             fix_mmap_threshold()
         self.reference = None
         if lc.kl_coef > 0:
-            ref = build_policy(cfg).to(self.device).eval()
+            ref = master_policy(cfg).to(self.device).eval()
             ref.requires_grad_(False)
             self.reference = TrainModule(ref, sequence_chunk_tokens=lc.sequence_chunk_tokens,
                                          context_parallel_group=self.cp_group)
@@ -652,4 +649,4 @@ class Learner:
         return loss
 
 
-__all__ = ["Learner", "StepStats", "build_policy", "STATE_FILE", "POLICY_DIR"]
+__all__ = ["Learner", "StepStats", "master_policy", "STATE_FILE", "POLICY_DIR"]

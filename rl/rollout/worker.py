@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rewards.compose import RewardMetrics
+from rl.policy import PolicySpec, build_policy
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
 from rl.rollout.tasks import Sample
 from rl.trajectory import Trajectory, TrajectoryStore
@@ -41,13 +42,12 @@ from rl.trajectory import Trajectory, TrajectoryStore
 @dataclass
 class WorkerSettings:
     """Everything a worker needs (plain data: pickled to Ray actors). Built from a RunConfig by
-    `rl.rollout.cli.settings_from_config`.
+    `WorkerSettings.from_config`.
 
     env_id / env_kwargs: `envs.make(env_id, sandbox_pool=..., **env_kwargs)`.
-    model_preset / model_overrides / checkpoint / dtype: the policy (the checkpoint dir, with model_overrides
-    applied to its config, when set; a non-Odyssey checkpoint, model.hf_path, loads as an HF causal LM;
-    otherwise a freshly initialised preset seeded with `init_seed`, so every worker holds the same
-    weights). seed: the engine's base seed (requests carry their own; see rl/rollout/tasks.py).
+    model_preset / model_overrides / checkpoint / dtype / init_seed: the policy, built by
+    `rl.policy.build_policy` (these five fields are a `rl.policy.PolicySpec`). seed: the engine's base
+    seed (requests carry their own; see rl/rollout/tasks.py).
     engine: "torch" (TorchEngine) or "vllm" (VllmEngine on the plugin; `build_engine`).
     episode: budgets and decoding. concurrency: episodes in flight per worker. shared_pool: the worker
     starts one shared SandboxPool of `sandbox_pool_size` (default: concurrency) on `sandbox_image`
@@ -85,11 +85,7 @@ class WorkerSettings:
         return cls(
             env_id=cfg.env.id,
             env_kwargs=env_kwargs,
-            model_preset=cfg.model.preset,
-            model_overrides=dict(cfg.model.overrides),
-            checkpoint=cfg.model.hf_path or cfg.model.init_from,
-            dtype=cfg.model.dtype,
-            init_seed=cfg.learner.seed,
+            **dataclasses.asdict(PolicySpec.from_config(cfg)),
             seed=r.seed,
             episode=EpisodeConfig(
                 max_new_tokens=r.max_new_tokens,
@@ -110,40 +106,18 @@ class WorkerSettings:
         )
 
 
-def build_policy(settings: WorkerSettings) -> Any:
-    """The policy in eval mode: from `checkpoint` (an Odyssey checkpoint, or any HF causal LM checkpoint,
-    wrapped in model.hf_policy.HFPolicy), or a preset initialised with seed `settings.init_seed`."""
-    import torch
-
-    from model.config import OdysseyConfig
-    from model.hf_policy import HFPolicy, is_odyssey_checkpoint
-    from model.modeling import OdysseyForCausalLM
-
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
-    if settings.checkpoint and not is_odyssey_checkpoint(settings.checkpoint):
-        if settings.model_overrides:
-            raise ValueError("model.overrides apply to Odyssey models only; edit the HF checkpoint's "
-                             "config.json instead, or remove model.overrides")
-        return HFPolicy.from_pretrained(settings.checkpoint, dtype=dtype).to(dtype).eval()
-    if settings.checkpoint:  # model.overrides apply on top of the checkpoint's config (e.g. balancing=none)
-        overrides = settings.model_overrides
-        model = OdysseyForCausalLM.from_pretrained(settings.checkpoint, dtype=dtype, **overrides)
-    else:
-        cfg = OdysseyConfig.from_preset(settings.model_preset, **settings.model_overrides)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(settings.init_seed)
-            model = OdysseyForCausalLM(cfg)
-    return model.to(dtype).eval()
-
-
-def build_engine(settings: WorkerSettings, detokenize: Callable[[list[int]], str]) -> tuple[Any, str | None]:
-    """The worker's engine by `settings.engine`: TorchEngine on `build_policy`, or VllmEngine on the
-    checkpoint directory (a fresh preset is saved to a temporary directory first, so both engines start
-    from the same weights). Returns (engine, temporary directory to delete on close, or None)."""
+def build_engine(
+    settings: WorkerSettings, detokenize: Callable[[list[int]], str], policy: Any = None
+) -> tuple[Any, str | None]:
+    """The engine by `settings.engine` (every rollout engine is built here: workers, the warm-up's
+    evaluation): TorchEngine on the policy, or VllmEngine on a checkpoint directory. policy: a model in
+    memory to serve (default: `rl.policy.build_policy(settings)`); VllmEngine reads `settings.checkpoint`,
+    or the policy saved to a temporary directory first, so both engines start from the same weights.
+    Returns (engine, temporary directory to delete on close, or None)."""
     if settings.engine == "torch":
         from rl.rollout.engine import TorchEngine
 
-        engine = TorchEngine(build_policy(settings), detokenize=detokenize,
+        engine = TorchEngine(build_policy(settings) if policy is None else policy, detokenize=detokenize,
                              max_batch_size=settings.max_batch_size,
                              prefill_chunk_size=settings.prefill_chunk_size, seed=settings.seed)
         return engine, None
@@ -151,10 +125,10 @@ def build_engine(settings: WorkerSettings, detokenize: Callable[[list[int]], str
         raise ValueError(f"unknown rollout engine {settings.engine!r}; use 'torch' or 'vllm'")
     from rl.rollout.vllm_engine import VllmEngine
 
-    model_dir, tmp = settings.checkpoint, None
+    model_dir, tmp = (settings.checkpoint if policy is None else None), None
     if not model_dir:
         tmp = model_dir = tempfile.mkdtemp(prefix="odyssey-vllm-policy-")
-        build_policy(settings).save_pretrained(model_dir)
+        (build_policy(settings) if policy is None else policy).save_pretrained(model_dir)
     try:
         engine = VllmEngine(
             model_dir, detokenize=detokenize, seed=settings.seed, dtype=settings.dtype,
