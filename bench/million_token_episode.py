@@ -42,9 +42,10 @@ from rl.learner.batch import check_trajectory, to_sample  # noqa: E402
 from rl.learner.packing import collate, pack  # noqa: E402
 from rl.rollout.agent_loop import ChatCodec  # noqa: E402
 from rl.rollout.engine import GenerationRequest  # noqa: E402
+from rl.rollout.engines import build_engine  # noqa: E402
 from rl.rollout.scripted import TeacherForcedEngine, conversation_tokens  # noqa: E402
 from rl.rollout.tasks import task_stream  # noqa: E402
-from rl.rollout.worker import RolloutWorker, WorkerSettings, build_engine  # noqa: E402
+from rl.rollout.worker import RolloutWorker, WorkerSettings  # noqa: E402
 from rl.trajectory import TrajectoryStore  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "million_token_episode.json"

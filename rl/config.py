@@ -157,7 +157,7 @@ class RewardEntry(_Section):
 class RolloutSection(_Section):
     """Episode generation: engine, workers, per-episode budgets, sampling and sandboxes."""
 
-    engine: Literal["torch", "vllm"] = "torch"
+    engine: str = "torch"  # rl/rollout/worker.py: torch (TorchEngine) | vllm (VllmEngine) | pkg.module:fn
     num_workers: int = Field(1, ge=1)
     concurrent_episodes: int = Field(4, ge=1)  # per worker
     episodes: int = Field(64, ge=1)  # per policy step in training; total for `odyssey rollout`
@@ -174,16 +174,14 @@ class RolloutSection(_Section):
     max_infra_fraction: float = Field(0.5, gt=0.0, le=1.0)
 
 
-GROUPED_ADVANTAGES = ("grpo", "rloo", "raft")  # learner.advantage values computed per task group
-
-
 class LearnerSection(_Section):
     """Policy optimisation (rl/learner/, docs/learner.md): advantages, loss, off-policy correction, optimiser,
     packing and data parallelism."""
 
-    # group mean baseline | leave-one-out | PPO (value) | each group's best successes (weight 1 per task)
-    advantage: Literal["grpo", "rloo", "gae", "raft"] = "grpo"
-    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    # an estimator of rl/learner/estimators.py: grpo (group mean baseline) | rloo (leave-one-out) | gae (PPO,
+    # value model) | raft (each group's best successes, weight 1 per task) | pkg.module:attr (your own)
+    advantage: str = "grpo"
+    policy_loss: str = "ppo_clip"  # rl/learner/losses.py: ppo_clip | gspo | cispo | pkg.module:fn (your own)
     steps: int = Field(100, ge=1)  # policy steps (Learner.step calls); sizes the lr schedule
     lr: float = Field(1e-5, gt=0.0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up, per optimizer step
@@ -371,35 +369,22 @@ def _budget_problems(c: RunConfig) -> list[str]:
             f"rollout.max_new_tokens ({r.max_new_tokens}) exceeds rollout.max_tokens ({r.max_tokens}), the "
             "whole-episode budget; lower max_new_tokens or raise max_tokens"
         )
-    if lr.advantage in ("grpo", "rloo") and lr.group_size < 2:  # raft needs no baseline: any size
-        out.append(
-            f"learner.group_size ({lr.group_size}) must be >= 2 for {lr.advantage} (advantages are "
-            "relative to the group); use 2 or more, or learner.advantage=gae"
-        )
-    elif lr.advantage in GROUPED_ADVANTAGES and r.episodes % lr.group_size:
+    try:
+        est = estimator(lr.advantage)
+    except ValueError as e:
+        est = None
+        out.append(f"learner.advantage: {e}")
+    if est is not None and est.grouped and lr.group_size >= est.min_group_size and r.episodes % lr.group_size:
         fit = lr.group_size * max(1, r.episodes // lr.group_size)
         out.append(
             f"rollout.episodes ({r.episodes}) must be a multiple of learner.group_size "
             f"({lr.group_size}) for {lr.advantage}; e.g. rollout.episodes={fit}"
         )
-    if lr.advantage == "raft" and c.orchestrator.dynamic_sampling:
-        out.append(
-            "orchestrator.dynamic_sampling discards groups whose rewards are all equal, and raft trains "
-            "on the all-success ones; set orchestrator.dynamic_sampling=false with learner.advantage=raft"
-        )
-    if lr.turn_credit and lr.advantage == "raft":
-        out.append(
-            "learner.turn_credit applies to grpo/rloo; raft trains successful episodes with one weight each. "
-            "Set learner.turn_credit=false"
-        )
-    elif lr.turn_credit and lr.advantage == "gae":
-        out.append(
-            "learner.turn_credit applies to grpo/rloo; with advantage=gae per-turn rewards already land on "
-            "their turn's tokens. Set learner.turn_credit=false"
-        )
+    out += est.problems(c) if est is not None else []
+    out += _registry_problems(c)
     out += _context_parallel_problems(lr)
     if lr.critic_preset is not None:
-        if lr.advantage != "gae" or lr.value_model != "critic":
+        if not _critic(lr):
             out.append(
                 "learner.critic_preset is only read with learner.advantage=gae and "
                 "learner.value_model=critic; remove it or set both"
@@ -407,6 +392,37 @@ def _budget_problems(c: RunConfig) -> list[str]:
         else:
             out += _critic_preset_problems(lr.critic_preset)
     return out
+
+
+def estimator(name: str) -> Any:
+    """`rl.learner.estimators.estimator(name)`, imported when a check needs an estimator's traits (that
+    module imports nothing of the repo at load time)."""
+    from rl.learner.estimators import estimator as lookup
+
+    return lookup(name)
+
+
+def _registry_problems(c: RunConfig) -> list[str]:
+    """learner.policy_loss and rollout.engine: a registry's built-in name or a resolvable pkg.module:fn."""
+    from rl.learner.losses import policy_loss_fn
+    from rl.rollout.engines import engine_factory
+
+    out = []
+    for key, value, lookup in (("learner.policy_loss", c.learner.policy_loss, policy_loss_fn),
+                               ("rollout.engine", c.rollout.engine, engine_factory)):
+        try:
+            lookup(value)
+        except ValueError as e:
+            out.append(f"{key}: {e}")
+    return out
+
+
+def _critic(lr: LearnerSection) -> bool:
+    """A separate critic model: an estimator with a value model and learner.value_model=critic."""
+    try:
+        return estimator(lr.advantage).needs_values and lr.value_model == "critic"
+    except ValueError:  # reported by _budget_problems
+        return False
 
 
 def _context_parallel_problems(lr: LearnerSection) -> list[str]:
@@ -430,7 +446,7 @@ def _context_parallel_problems(lr: LearnerSection) -> list[str]:
             "the exchanges in the backward is not supported); set learner.activation_checkpointing=false "
             "or learner.context_parallel=1"
         )
-    if lr.advantage == "gae" and lr.value_model == "critic":
+    if _critic(lr):
         out.append(
             "learner.context_parallel does not split a separate critic's trunk; use learner.value_model=head "
             "or learner.context_parallel=1"
@@ -521,7 +537,7 @@ def _hf_problems(c: RunConfig) -> list[str]:
                    f"between windows); with {where} set it to 0")
     if lr.context_parallel > 1:
         out.append(f"learner.context_parallel needs Odyssey's model; with {where} set it to 1")
-    if lr.advantage == "gae" and lr.value_model == "critic":
+    if _critic(lr):
         out.append(f"learner.value_model=critic copies an Odyssey trunk; with {where} use value_model=head")
     try:
         saved = json.loads((Path(m.checkpoint).expanduser() / "config.json").read_text())

@@ -462,14 +462,15 @@ def evaluate(
     concurrency: int = 16,
 ) -> dict[str, Any]:
     """Success rate of `model` on `episodes` fresh tasks, played through the real agent loop on the engine
-    rollout.engine names (`rl.rollout.worker.build_engine`; budgets from cfg.rollout; tools in-process like
+    rollout.engine names (`rl.rollout.engines.build_engine`; budgets from cfg.rollout; tools in-process like
     the warm-up). Episode seeds are
     seed * 1_000_003 + i (the rollout's scheme), disjoint from the warm-up's data seeds.
 
     Returns {"success_rate", "episodes", "well_formed": fraction of turns with tool calls and no tool errors,
     "tasks": task ids, "outcomes": per-episode outcome (None for truncated), "wall_s"}."""
     from model.tokenizer import load_tokenizer
-    from rl.rollout.worker import WorkerSettings, build_engine
+    from rl.rollout.engines import build_engine
+    from rl.rollout.worker import WorkerSettings
 
     codec = vision_codec(load_tokenizer(), model)
     settings = dataclasses.replace(WorkerSettings.from_config(cfg), max_batch_size=max(64, concurrency))

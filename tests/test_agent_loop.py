@@ -188,7 +188,7 @@ def test_worker_engine_choice_follows_the_config():
     is refused naming the choices (the vLLM engine itself: tests/test_vllm_rollout.py)."""
     from rl.config import load_config
     from rl.rollout.engine import TorchEngine
-    from rl.rollout.worker import build_engine
+    from rl.rollout.engines import build_engine
 
     vllm_cfg = load_config("configs/tiny.yaml", ["rollout.engine=vllm"])
     assert WorkerSettings.from_config(vllm_cfg).engine == "vllm"

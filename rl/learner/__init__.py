@@ -9,6 +9,18 @@ sharding (minibatches and ranks), off_policy, losses, routing (R3 agreement), fo
 value (PPO value model), optim, learner (the step), group (data-parallel LearnerGroup on Ray).
 """
 
-from rl.learner.learner import Learner
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Learner"]
+
+
+def __getattr__(name: str) -> Any:
+    """`Learner` on first use, so importing a light module of the package (estimators, advantages) does not
+    load the model code."""
+    if name == "Learner":
+        from rl.learner.learner import Learner
+
+        return Learner
+    raise AttributeError(f"module 'rl.learner' has no attribute {name!r}")

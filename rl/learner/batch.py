@@ -28,8 +28,8 @@ import torch
 
 from model.image import ImageError, decode_prepared
 from rewards.placement import token_rewards
-from rl.config import GROUPED_ADVANTAGES
-from rl.learner.advantages import group_advantages, raft_advantages, turn_returns
+from rl.learner.advantages import turn_returns
+from rl.learner.estimators import estimator
 from rl.learner.selection import baseline_reward, describe, select
 from rl.trajectory import Trajectory, check_image_tokens
 
@@ -231,15 +231,15 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
     GAE samples get per-token rewards here; their advantages need values (the learner's first pass)."""
     if not trajs:
         raise ValueError("Learner.step got an empty batch: pass at least one scored trajectory")
-    grouped = lcfg.advantage in GROUPED_ADVANTAGES
-    raft = lcfg.advantage == "raft"
+    est = estimator(lcfg.advantage)
+    grouped = est.grouped
     sel = select(
         trajs,
         grouped=grouped,
         group_size=lcfg.group_size,
         turn_credit=lcfg.turn_credit,
         overlong_filter=lcfg.overlong_filter,
-        successes_only=raft,
+        successes_only=est.successes_only,
     )
     for i, t in enumerate(trajs):  # excluded ones too: a wrong tokenizer is never silent
         check_tokenizer(t, i, facts)
@@ -251,21 +251,13 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
     if grouped and sel.groups:
         members = [i for idx in sel.groups.values() for i in idx]
         groups = [group_of[i] for i in members]
-        if raft:
-            adv = raft_advantages(groups)
-        else:
-            adv = group_advantages(
-                [baseline_reward(trajs[i], lcfg.turn_credit) for i in members],
-                groups,
-                baseline="rloo" if lcfg.advantage == "rloo" else "mean",
-                scale=lcfg.scale_rewards,
-            )
+        adv = est.compute([baseline_reward(trajs[i], lcfg.turn_credit) for i in members], groups, lcfg)
         episode_adv = dict(zip(members, adv.tolist()))
     for s in samples:
         t = trajs[s.index]
         if grouped:
             a = np.full(s.n_scored, episode_adv[s.index], dtype=np.float64)
-            if lcfg.turn_credit and t.turn_rewards and not raft:
+            if lcfg.turn_credit and t.turn_rewards and est.turn_credit:
                 G = turn_returns(t.turn_rewards, lcfg.gamma).numpy()
                 a += G[_turn_of_tokens(t, s.scored + 1)]
             s.advantages = a

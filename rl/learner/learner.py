@@ -48,9 +48,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model.hf_policy import HFPolicy
 from model.moe import statistics_recording
-from rl.learner.advantages import gae, weight_negative
+from rl.learner.advantages import weight_negative
 from rl.learner.allocator import fix_mmap_threshold
 from rl.learner.batch import ModelFacts, PreparedBatch, Sample, prepare_batch
+from rl.learner.estimators import estimator
 from rl.learner.forward import TrainModule
 from rl.learner.losses import aggregation_weights, objective, value_loss
 from rl.learner.off_policy import correction_weights
@@ -174,8 +175,9 @@ class Learner:
         self.policy = master_policy(cfg).to(self.device)
         if lc.activation_checkpointing:
             self.policy.gradient_checkpointing_enable()
+        self.estimator = estimator(lc.advantage)
         value = None
-        if lc.advantage == "gae":
+        if self.estimator.needs_values:
             value = build_value_model(lc.value_model, self.policy, lc.critic_preset, lc.seed).to(self.device)
             if lc.activation_checkpointing and isinstance(value, Critic):
                 value.trunk.gradient_checkpointing_enable()
@@ -320,21 +322,20 @@ class Learner:
         by_index = {s.index: s for s in samples}
         n_moe = len(self.policy.moe_layer_indices)
         stats = self._stats = StepStats(n_moe)
-        fused_old = lc.ppo_epochs * lc.num_minibatches == 1 and lc.advantage != "gae"
+        fused_old = lc.ppo_epochs * lc.num_minibatches == 1 and not self.estimator.needs_values
         measure_routing = not self.replay and n_moe > 0
         if not fused_old or lc.kl_coef > 0:
             self._first_pass(
                 samples,
                 old=not fused_old,
                 ref=lc.kl_coef > 0,
-                values=lc.advantage == "gae",
+                values=self.estimator.needs_values,
                 routing=measure_routing and not fused_old,
             )
-        if lc.advantage == "gae":
+        if self.estimator.needs_values:
             for s in samples:
-                adv, ret = gae(
-                    torch.from_numpy(s.rewards), torch.from_numpy(s.old_values), lc.gamma, lc.gae_lambda
-                )
+                rewards, values = torch.from_numpy(s.rewards), torch.from_numpy(s.old_values)
+                adv, ret = self.estimator.compute(rewards, values, lc)
                 s.advantages, s.returns = adv.numpy(), ret.numpy()
                 stats.sums["advantage_sum"] += float(adv.sum())
         losses, norms = [], []
@@ -389,7 +390,7 @@ class Learner:
                 "learner/step_s": time.perf_counter() - t0,
             }
         )
-        if lc.advantage == "gae":
+        if self.estimator.needs_values:
             out["learner/value_loss"] = sums["value_loss"] / n_opt
             out["learner/advantage_mean"] = sums["advantage_sum"] / scored
         if stats.agree_tokens > 0:  # R3 off: learner vs rollout; R3 on: free routing vs the replayed experts
@@ -525,7 +526,7 @@ class Learner:
         fields = ["rollout_logp", "advantages"]
         fields += [] if fused_old else ["old_logp"]
         fields += ["ref_logp"] if self.reference is not None else []
-        fields += ["old_values", "returns"] if self.lc.advantage == "gae" else []
+        fields += ["old_values", "returns"] if self.estimator.needs_values else []
         return fields
 
     def backward_micro_batch(
@@ -592,7 +593,7 @@ class Learner:
             out = self.ddp(
                 mb,
                 replay=self.replay,
-                values=lc.advantage == "gae",
+                values=self.estimator.needs_values,
                 return_routed=routing and mb.replay is not None,
             )
         if out.routed is not None:
@@ -625,7 +626,7 @@ class Learner:
             entropy_coef=lc.entropy_coef,
         )
         vl = None
-        if lc.advantage == "gae":
+        if self.estimator.needs_values:
             vl = value_loss(out.values.double(), data["old_values"], data["returns"], lc.value_clip)
             loss = loss + lc.value_coef * vl.sum() / n_tokens
         if out.aux is not None:

@@ -35,7 +35,55 @@ cispo with epsilon_high = 1 + clip_eps_high; kl k3 = its beta term; entropy = it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+PolicyLoss = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def ppo_clip(logp, old_logp, advantages, seq, seq_tokens, clip_eps_low, clip_eps_high, *, sequence=False):
+    """PPO-clip per token (module docstring); sequence=True: gspo's length-normalised sequence ratio."""
+    A = advantages
+    log_ratio = logp - old_logp
+    if sequence:
+        per_seq = log_ratio.new_zeros(seq_tokens.numel()).index_add(0, seq, log_ratio)
+        log_ratio = (per_seq / seq_tokens.clamp(min=1).to(logp.dtype))[seq]
+    ratio = log_ratio.exp()
+    clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    loss = -torch.min(ratio * A, clipped_ratio * A)
+    clipped = ((ratio < 1.0 - clip_eps_low) & (A < 0)) | ((ratio > 1.0 + clip_eps_high) & (A > 0))
+    return loss, clipped.detach()
+
+
+def gspo(logp, old_logp, advantages, seq, seq_tokens, clip_eps_low, clip_eps_high):
+    """GSPO: PPO-clip on the episode's length-normalised ratio s_i (module docstring)."""
+    return ppo_clip(logp, old_logp, advantages, seq, seq_tokens, clip_eps_low, clip_eps_high, sequence=True)
+
+
+def cispo(logp, old_logp, advantages, seq, seq_tokens, clip_eps_low, clip_eps_high):
+    """CISPO: the capped, stopped IS weight times A log pi (module docstring)."""
+    ratio = (logp - old_logp).exp()
+    cap = 1.0 + clip_eps_high
+    weight = ratio.clamp(max=cap).detach()
+    return -weight * advantages * logp, ((ratio > cap) & (advantages > 0)).detach()
+
+
+# learner.policy_loss: a built-in name, or "pkg.module:fn" with the same signature as these
+POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo}
+
+
+def policy_loss_fn(name: str) -> PolicyLoss:
+    """The policy loss `name` names: a built-in (`POLICY_LOSSES`) or a `pkg.module:fn` of the same signature
+    (logp, old_logp, advantages, seq, seq_tokens, clip_eps_low, clip_eps_high) -> (loss [M], clipped [M])."""
+    if name in POLICY_LOSSES:
+        return POLICY_LOSSES[name]
+    from envs.dotted import is_dotted_name, resolve_name
+
+    if not is_dotted_name(name):
+        raise ValueError(f"unknown policy loss {name!r}: choose from {', '.join(POLICY_LOSSES)}, or name "
+                         "your own function as pkg.module:fn (signature: rl.learner.losses.policy_loss_fn)")
+    return resolve_name(name, "policy loss")
 
 
 def policy_loss(
@@ -49,26 +97,11 @@ def policy_loss(
     clip_eps_high: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss l [M] (formulas above) and a bool [M] marking tokens whose ratio was clipped
-    (in the direction that stops the gradient). logp (with grad), old_logp, advantages [M]; seq int64 [M]:
-    episode of each token (0..E-1); seq_tokens int64 [E]: scored tokens per episode."""
-    old_logp = old_logp.detach()
-    A = advantages
-    if kind == "ppo_clip" or kind == "gspo":
-        log_ratio = logp - old_logp
-        if kind == "gspo":
-            per_seq = log_ratio.new_zeros(seq_tokens.numel()).index_add(0, seq, log_ratio)
-            log_ratio = (per_seq / seq_tokens.clamp(min=1).to(logp.dtype))[seq]
-        ratio = log_ratio.exp()
-        clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-        loss = -torch.min(ratio * A, clipped_ratio * A)
-        clipped = ((ratio < 1.0 - clip_eps_low) & (A < 0)) | ((ratio > 1.0 + clip_eps_high) & (A > 0))
-        return loss, clipped.detach()
-    if kind == "cispo":
-        ratio = (logp - old_logp).exp()
-        cap = 1.0 + clip_eps_high
-        weight = ratio.clamp(max=cap).detach()
-        return -weight * A * logp, ((ratio > cap) & (A > 0)).detach()
-    raise ValueError(f"policy_loss must be 'ppo_clip', 'gspo' or 'cispo', got {kind!r}")
+    (in the direction that stops the gradient). kind: `policy_loss_fn`'s name; logp (with grad), old_logp,
+    advantages [M]; seq int64 [M]: episode of each token (0..E-1); seq_tokens int64 [E]: scored tokens per
+    episode."""
+    fn = policy_loss_fn(kind)
+    return fn(logp, old_logp.detach(), advantages, seq, seq_tokens, clip_eps_low, clip_eps_high)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -152,4 +185,15 @@ def objective(
     return loss, parts
 
 
-__all__ = ["policy_loss", "kl_penalty", "value_loss", "aggregation_weights", "objective"]
+__all__ = [
+    "POLICY_LOSSES",
+    "policy_loss_fn",
+    "ppo_clip",
+    "gspo",
+    "cispo",
+    "policy_loss",
+    "kl_penalty",
+    "value_loss",
+    "aggregation_weights",
+    "objective",
+]

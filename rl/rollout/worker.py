@@ -24,7 +24,6 @@ import asyncio
 import dataclasses
 import json
 import shutil
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -33,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from rewards.compose import RewardMetrics
-from rl.policy import PolicySpec, build_policy
+from rl.policy import PolicySpec
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
+from rl.rollout.engines import build_engine
 from rl.rollout.tasks import Sample
 from rl.trajectory import Trajectory, TrajectoryStore
 
@@ -48,7 +48,8 @@ class WorkerSettings:
     model_preset / model_overrides / checkpoint / dtype / init_seed: the policy, built by
     `rl.policy.build_policy` (these five fields are a `rl.policy.PolicySpec`). seed: the engine's base
     seed (requests carry their own; see rl/rollout/tasks.py).
-    engine: "torch" (TorchEngine) or "vllm" (VllmEngine on the plugin; `build_engine`).
+    engine: "torch" (TorchEngine), "vllm" (VllmEngine on the plugin) or a factory's `pkg.module:fn`
+    (rl/rollout/engines.py).
     episode: budgets and decoding. concurrency: episodes in flight per worker. shared_pool: the worker
     starts one shared SandboxPool of `sandbox_pool_size` (default: concurrency) on `sandbox_image`
     (None = default) when the env uses sandboxes; False = each env leases from its own pool.
@@ -104,44 +105,6 @@ class WorkerSettings:
             max_batch_size=max(64, r.concurrent_episodes),
             engine=r.engine,
         )
-
-
-def build_engine(
-    settings: WorkerSettings, detokenize: Callable[[list[int]], str], policy: Any = None
-) -> tuple[Any, str | None]:
-    """The engine by `settings.engine` (every rollout engine is built here: workers, the warm-up's
-    evaluation): TorchEngine on the policy, or VllmEngine on a checkpoint directory. policy: a model in
-    memory to serve (default: `rl.policy.build_policy(settings)`); VllmEngine reads `settings.checkpoint`,
-    or the policy saved to a temporary directory first, so both engines start from the same weights.
-    Returns (engine, temporary directory to delete on close, or None)."""
-    if settings.engine == "torch":
-        from rl.rollout.engine import TorchEngine
-
-        engine = TorchEngine(build_policy(settings) if policy is None else policy, detokenize=detokenize,
-                             max_batch_size=settings.max_batch_size,
-                             prefill_chunk_size=settings.prefill_chunk_size, seed=settings.seed)
-        return engine, None
-    if settings.engine != "vllm":
-        raise ValueError(f"unknown rollout engine {settings.engine!r}; use 'torch' or 'vllm'")
-    from rl.rollout.vllm_engine import VllmEngine
-
-    model_dir, tmp = (settings.checkpoint if policy is None else None), None
-    if not model_dir:
-        tmp = model_dir = tempfile.mkdtemp(prefix="odyssey-vllm-policy-")
-        (build_policy(settings) if policy is None else policy).save_pretrained(model_dir)
-    try:
-        engine = VllmEngine(
-            model_dir, detokenize=detokenize, seed=settings.seed, dtype=settings.dtype,
-            max_num_seqs=settings.max_batch_size,
-            max_num_batched_tokens=max(settings.prefill_chunk_size, settings.max_batch_size),
-            # an episode never holds more than max_episode_tokens; +2: the flush and one spare position
-            max_model_len=settings.episode.max_episode_tokens + 2,
-        )
-    except BaseException:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return engine, tmp
 
 
 def policy_vision(engine: Any) -> tuple[int, int]:

@@ -48,7 +48,7 @@ from typing import Any
 
 from rich.console import Console
 
-from rl.config import GROUPED_ADVANTAGES
+from rl.learner.estimators import estimator
 from rl.rollout.dispatch import Dispatcher, Finished, NoWorkersLeft
 from rl.rollout.health import BatchUnhealthy
 from rl.rollout.tasks import Sample, task_stream
@@ -127,7 +127,7 @@ class Trainer:
         self.console = console or Console()
         self.worker_cls = worker_cls
         o = cfg.orchestrator
-        self.group_size = cfg.learner.group_size if cfg.learner.advantage in GROUPED_ADVANTAGES else 1
+        self.group_size = cfg.learner.group_size if estimator(cfg.learner.advantage).grouped else 1
         self.k = o.max_staleness
         self.run_dir = Path(cfg.logging.run_dir).expanduser().resolve()
         self.store = TrajectoryStore(self.run_dir / "trajectories")
