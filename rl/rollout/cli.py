@@ -5,7 +5,7 @@
     ray job submit --working-dir . -- odyssey rollout configs/tiny.yaml --episodes 4 \
         logging.run_dir=$PWD/runs/tiny
 
-1. Load and validate the run config (rl/config.py) with the overrides; every problem is listed, exit 2.
+1. Load and validate the run config (rl/config/) with the overrides; every problem is listed, exit 2.
 2. Make the run dir `<logging.run_dir>/rollout-<UTC time>` (or --run-dir): the resolved `config.yaml`,
    the trajectory store `trajectories/` (Arrow, rl/trajectory.py) and `summary.json`.
 3. The episodes: the first N samples of the training task stream (rl/rollout/tasks.py), task by task,

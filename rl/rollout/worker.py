@@ -82,7 +82,7 @@ class WorkerSettings:
         sampling, sandbox pool (rollout.sandbox_pool_size 0 = each env makes its own), rewards."""
         r = cfg.rollout
         env_kwargs = dict(cfg.env.kwargs)
-        env_kwargs["max_turns"] = r.max_turns  # the one source of the turn limit (rl/config.py)
+        env_kwargs["max_turns"] = r.max_turns  # the one source of the turn limit (rl/config/checks.py)
         return cls(
             env_id=cfg.env.id,
             env_kwargs=env_kwargs,

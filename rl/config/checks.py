@@ -1,0 +1,507 @@
+"""The config's meaning checks (pass 2 of validation, once the structure is valid), run by `load_config`.
+
+Budgets that contradict each other, the advantage estimator's own rules, registry names (policy loss, rollout
+engine), and the checks that read files or import plugins: model.init_from / model.hf_path checkpoints, the
+preset and its overrides against `model.config.OdysseyConfig` and the tokenizer's size, reward specs
+(`rewards.compose.validate_reward_specs`), the env id and kwargs (the env registry and the env class
+signature), the dataset file. Each returns "key.path: problem; fix" lines; each imports its module lazily
+and is skipped only if that module is not installed. `config_problems(cfg, io=False)` runs only the checks
+that read nothing (what `stage_config` re-runs for a stage while training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ConfigDict, ValidationError
+
+from rl.config.schema import (
+    EnvSection,
+    LearnerSection,
+    ModelSection,
+    OrchestratorSection,
+    RewardEntry,
+    RunConfig,
+)
+
+
+def config_problems(c: RunConfig, io: bool = True) -> list[str]:
+    """Every meaning problem of `c`, in a fixed order. io=False: only the checks that read no file and
+    import no plugin (budgets, estimator, orchestrator)."""
+    problems = _budget_problems(c) + _orchestrator_problems(c.orchestrator)
+    if not io:
+        return problems
+    return (
+        problems
+        + _registry_problems(c)
+        + _init_from_problems(c.model)
+        + _hf_problems(c)
+        + (_model_problems(c.model) if not is_hf_policy(c.model) else [])
+        + _reward_problems(c.rewards)
+        + _env_problems(c.env, c.rewards)
+    )
+
+
+
+
+def _budget_problems(c: RunConfig) -> list[str]:
+    r, lr = c.rollout, c.learner
+    out = []
+    if r.sandbox_image is not None and r.sandbox_pool_size == 0:
+        out.append(
+            f"rollout.sandbox_image ({r.sandbox_image!r}) is the image of each worker's shared sandbox pool, "
+            "and rollout.sandbox_pool_size=0 starts none (envs then lease from the default pool on the "
+            "default image); set rollout.sandbox_pool_size >= 1 or remove rollout.sandbox_image"
+        )
+    if r.max_new_tokens > r.max_tokens:
+        out.append(
+            f"rollout.max_new_tokens ({r.max_new_tokens}) exceeds rollout.max_tokens ({r.max_tokens}), the "
+            "whole-episode budget; lower max_new_tokens or raise max_tokens"
+        )
+    try:
+        est = estimator(lr.advantage)
+    except ValueError as e:
+        est = None
+        out.append(f"learner.advantage: {e}")
+    if est is not None and est.grouped and lr.group_size >= est.min_group_size and r.episodes % lr.group_size:
+        fit = lr.group_size * max(1, r.episodes // lr.group_size)
+        out.append(
+            f"rollout.episodes ({r.episodes}) must be a multiple of learner.group_size "
+            f"({lr.group_size}) for {lr.advantage}; e.g. rollout.episodes={fit}"
+        )
+    out += est.problems(c) if est is not None else []
+    out += _context_parallel_problems(lr)
+    if lr.critic_preset is not None:
+        if not _critic(lr):
+            out.append(
+                "learner.critic_preset is only read with learner.advantage=gae and "
+                "learner.value_model=critic; remove it or set both"
+            )
+        else:
+            out += _critic_preset_problems(lr.critic_preset)
+    return out
+
+
+def estimator(name: str) -> Any:
+    """`rl.learner.estimators.estimator(name)`, imported when a check needs an estimator's traits (that
+    module imports nothing of the repo at load time)."""
+    from rl.learner.estimators import estimator as lookup
+
+    return lookup(name)
+
+
+def _registry_problems(c: RunConfig) -> list[str]:
+    """learner.policy_loss and rollout.engine: a registry's built-in name or a resolvable pkg.module:fn."""
+    from rl.learner.losses import policy_loss_fn
+    from rl.rollout.engines import engine_factory
+
+    out = []
+    for key, value, lookup in (("learner.policy_loss", c.learner.policy_loss, policy_loss_fn),
+                               ("rollout.engine", c.rollout.engine, engine_factory)):
+        try:
+            lookup(value)
+        except ValueError as e:
+            out.append(f"{key}: {e}")
+    return out
+
+
+def _critic(lr: LearnerSection) -> bool:
+    """A separate critic model: an estimator with a value model and learner.value_model=critic."""
+    try:
+        return estimator(lr.advantage).needs_values and lr.value_model == "critic"
+    except ValueError:  # reported by _budget_problems
+        return False
+
+
+def _context_parallel_problems(lr: LearnerSection) -> list[str]:
+    R = lr.context_parallel
+    if R == 1:
+        return []
+    out = []
+    if lr.num_ranks % R:
+        out.append(
+            f"learner.num_ranks ({lr.num_ranks}) must be a multiple of learner.context_parallel ({R}): the "
+            f"ranks form num_ranks / context_parallel data-parallel groups of {R}; e.g. learner.num_ranks={R}"
+        )
+    if lr.sequence_chunk_tokens:
+        out.append(
+            "learner.sequence_chunk_tokens and learner.context_parallel > 1 do not combine yet (a rank runs "
+            "its shard unchunked); set one of them (sequence_chunk_tokens=0 or context_parallel=1)"
+        )
+    if lr.activation_checkpointing:
+        out.append(
+            "learner.activation_checkpointing is not applied inside a context-parallel shard (recomputing "
+            "the exchanges in the backward is not supported); set learner.activation_checkpointing=false "
+            "or learner.context_parallel=1"
+        )
+    if _critic(lr):
+        out.append(
+            "learner.context_parallel does not split a separate critic's trunk; use learner.value_model=head "
+            "or learner.context_parallel=1"
+        )
+    return out
+
+
+def _orchestrator_problems(o: OrchestratorSection) -> list[str]:
+    out = []
+    if o.eval_episodes % o.eval_pass_k:
+        fit = o.eval_pass_k * max(1, o.eval_episodes // o.eval_pass_k)
+        out.append(
+            f"orchestrator.eval_episodes ({o.eval_episodes}) must be a multiple of orchestrator.eval_pass_k "
+            f"({o.eval_pass_k}): each held-out task is sampled eval_pass_k times; e.g. eval_episodes={fit}"
+        )
+    return out
+
+
+def _critic_preset_problems(preset: str) -> list[str]:
+    try:
+        from model.config import PRESETS
+    except ImportError:
+        return []
+    if preset in PRESETS:
+        return []
+    return [f"learner.critic_preset: unknown preset {preset!r} (choose from {', '.join(sorted(PRESETS))})"]
+
+
+def _init_from_problems(m: ModelSection) -> list[str]:
+    """model.init_from must be a saved checkpoint directory here and now (not a hub name found missing
+    30 s later inside a Ray worker)."""
+    if m.init_from is None:
+        return []
+    path = Path(m.init_from).expanduser()
+    fix = "give the directory a checkpoint was saved to (e.g. by `odyssey warmup --out DIR`), or null"
+    if not path.exists():
+        return [f"model.init_from: directory {m.init_from!r} does not exist; {fix}"]
+    if not path.is_dir():
+        return [f"model.init_from: {m.init_from!r} is a file, not a checkpoint directory; {fix}"]
+    if not (path / "config.json").is_file():
+        return [f"model.init_from: {m.init_from!r} holds no config.json: not a saved checkpoint; {fix}"]
+    return _preset_vs_checkpoint(m, path)
+
+
+def is_hf_policy(m: ModelSection) -> bool:
+    """The policy is an HF causal LM: model.hf_path, or model.init_from holding a non-Odyssey checkpoint."""
+    if m.hf_path is not None:
+        return True
+    if m.init_from is None:
+        return False
+    try:
+        saved = json.loads((Path(m.init_from).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # _init_from_problems names it
+    return saved.get("model_type") != "odyssey_moe"
+
+
+def _hf_problems(c: RunConfig) -> list[str]:
+    """model.hf_path is a readable HF causal LM checkpoint, and no key asks for what only Odyssey's model
+    has (docs/hf.md "Training any Hugging Face causal LM")."""
+    m, lr = c.model, c.learner
+    out: list[str] = []
+    if m.hf_path is not None:
+        path = Path(m.hf_path).expanduser()
+        fix = ("give a local directory written by transformers' save_pretrained (no hub names: nothing is "
+               "downloaded)")
+        if m.init_from is not None:
+            return [f"model.hf_path and model.init_from are both set ({m.hf_path!r}, {m.init_from!r}); the "
+                    "policy loads from one directory: keep one of them"]
+        if not path.is_dir():
+            return [f"model.hf_path: {m.hf_path!r} is not a directory; {fix}"]
+        if not (path / "config.json").is_file():
+            return [f"model.hf_path: {m.hf_path!r} holds no config.json; {fix}"]
+        try:
+            saved = json.loads((path / "config.json").read_text())
+        except ValueError as e:
+            return [f"model.hf_path: {path / 'config.json'} is not valid JSON ({e}); {fix}"]
+        if saved.get("model_type") == "odyssey_moe":
+            out.append(f"model.hf_path: {m.hf_path!r} is an Odyssey checkpoint; load it with model.init_from")
+    if not is_hf_policy(m):
+        return out
+    where = f"model.hf_path={m.hf_path}" if m.hf_path else f"model.init_from={m.init_from} (an HF checkpoint)"
+    if m.overrides:
+        out.append(f"model.overrides apply to Odyssey presets; with {where} edit the checkpoint's "
+                   "config.json instead, or remove model.overrides")
+    if lr.sequence_chunk_tokens:
+        out.append(f"learner.sequence_chunk_tokens needs Odyssey's model (it carries the KDA/MLA state "
+                   f"between windows); with {where} set it to 0")
+    if lr.context_parallel > 1:
+        out.append(f"learner.context_parallel needs Odyssey's model; with {where} set it to 1")
+    if _critic(lr):
+        out.append(f"learner.value_model=critic copies an Odyssey trunk; with {where} use value_model=head")
+    try:
+        saved = json.loads((Path(m.checkpoint).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return out
+    vocab = (saved.get("text_config") or saved).get("vocab_size")
+    own = (Path(m.checkpoint).expanduser() / "tokenizer.json").is_file()
+    try:
+        n_tok = _tokenizer_size(m.checkpoint)
+    except ValueError as e:  # the checkpoint's own tokenizer is unusable: policy_tokenizer says why
+        return [*out, f"{where}: {e}"]
+    whose = "its own tokenizer" if own else "Odyssey's tokenizer (the checkpoint ships none)"
+    if isinstance(vocab, int) and n_tok is not None and vocab < n_tok:
+        out.append(f"{where}: the model's vocab_size ({vocab}) is smaller than {whose} ({n_tok} tokens); "
+                   f"token ids would overflow its embedding. Use a model with vocab_size >= {n_tok}")
+    return out
+
+
+def _preset_vs_checkpoint(m: ModelSection, path: Path) -> list[str]:
+    """With model.init_from, the checkpoint's architecture is loaded and model.overrides apply on top of it
+    (rl.policy.build_policy). model.preset must then describe the checkpoint: a field where preset +
+    overrides and checkpoint + overrides disagree would otherwise be silently ignored."""
+    try:
+        from model.config import PRESETS, OdysseyConfig
+    except ImportError:
+        return []
+    if m.preset not in PRESETS or is_hf_policy(m):
+        return []  # _model_problems names an unknown preset; an HF checkpoint has no preset
+    try:
+        saved = json.loads((path / "config.json").read_text())
+        expected = OdysseyConfig.from_preset(m.preset, **m.overrides)
+    except Exception:  # an unreadable config.json fails at load with its own message; bad overrides above
+        return []
+    own = [k for k in OdysseyConfig.__annotations__ if k in saved and k not in m.overrides]
+    diff = [k for k in own if saved[k] != getattr(expected, k)]
+    if not diff:
+        return []
+    brief = lambda v: json.dumps(v)[:40]  # noqa: E731
+    shown = ", ".join(f"{k}={brief(saved[k])} (preset: {brief(getattr(expected, k))})" for k in diff[:4])
+    match = [p for p in PRESETS if all(saved[k] == getattr(OdysseyConfig.from_preset(p), k) for k in own)]
+    fix = f"set model.preset={match[0]}" if match else "set model.preset to the checkpoint's preset"
+    return [
+        f"model.preset: {m.preset!r} does not describe the checkpoint in model.init_from ({shown}); the "
+        f"checkpoint's architecture is what loads, so {fix} (model.overrides apply on top of either)"
+    ]
+
+def _model_problems(m: ModelSection) -> list[str]:
+    try:
+        from model.config import PRESETS, OdysseyConfig
+    except ImportError:
+        return []
+    if m.preset not in PRESETS:
+        hint = _closest(m.preset, PRESETS)
+        return [
+            f"model.preset: unknown preset {m.preset!r}"
+            + (f"; did you mean {hint!r}?" if hint else "")
+            + f" (choose from {', '.join(sorted(PRESETS))})"
+        ]
+    fields = [f.name for f in dataclasses.fields(OdysseyConfig) if f.name != "transformers_version"]
+    out = []
+    for k, v in m.overrides.items():
+        path = f"model.overrides.{k}"
+        if k not in fields:
+            hint = _closest(k, fields)
+            out.append(
+                f"{path}: unknown model field" + (f"; did you mean 'model.overrides.{hint}'?" if hint else "")
+            )
+            continue
+        from pydantic import TypeAdapter
+
+        try:
+            TypeAdapter(_field_type(OdysseyConfig, k), config=ConfigDict(strict=True)).validate_python(v)
+        except ValidationError as e:
+            out.append(f"{path}: {e.errors()[0]['msg']}, got {_show(v)}")
+    if out:
+        return out
+    try:
+        cfg = OdysseyConfig.from_preset(m.preset, **m.overrides)
+    except Exception as e:  # the config's own validators: keep their message, drop the wrapper lines
+        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+        msg = re.sub(r"^\w+Error: ", "", lines[-1]) if lines else type(e).__name__
+        return [f"model.overrides: {msg}"]
+    n_tok = _tokenizer_size()
+    if n_tok is not None and cfg.vocab_size < n_tok:
+        out.append(
+            f"model.overrides.vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's vocabulary "
+            f"({n_tok}); token ids would overflow the embedding. Use vocab_size >= {n_tok}"
+        )
+    return out
+
+
+def _tokenizer_size(checkpoint: str | None = None) -> int | None:
+    """Size of the policy's tokenizer (model.tokenizer.policy_tokenizer), None when it cannot be loaded
+    here; a ValueError names a checkpoint tokenizer that is unusable."""
+    try:
+        from model.tokenizer import policy_tokenizer
+
+        return len(policy_tokenizer(checkpoint))
+    except (ImportError, FileNotFoundError):
+        return None
+
+
+def _field_type(cls: type, name: str) -> Any:
+    """The annotation of dataclass field `name`, evaluated in its defining module (Any if that fails)."""
+    for c in cls.__mro__:
+        ann = c.__dict__.get("__annotations__", {})
+        if name in ann:
+            hint = ann[name]
+            if isinstance(hint, str):
+                try:
+                    hint = eval(hint, vars(sys.modules[c.__module__]))  # noqa: S307 - source annotations
+                except Exception:
+                    return Any
+            return hint
+    return Any
+
+
+def _reward_problems(rewards: list[RewardEntry]) -> list[str]:
+    if not rewards:
+        return ["rewards: empty; give at least one reward, e.g. rewards: [{name: outcome, weight: 1.0}]"]
+    try:
+        from rewards.compose import validate_reward_specs
+    except ImportError:
+        return []
+    try:
+        validate_reward_specs([r.model_dump(exclude_none=True) for r in rewards])
+    except ValueError as e:
+        lines = str(e).splitlines()
+        body = [ln.strip().removeprefix("- ") for ln in lines[1:]] if len(lines) > 1 else lines
+        return [ln if ln.startswith("rewards[") else f"rewards: {ln}" for ln in body if ln]
+    return []
+
+
+def _env_problems(env: EnvSection, rewards: Sequence[RewardEntry] = ()) -> list[str]:
+    try:
+        from envs.registry import NAMESPACES, EnvLoadError, EnvNotFoundError, entry_for, list_envs
+    except ImportError:
+        return []
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        entries = {e.id: e for e in list_envs(load=False)}
+        try:
+            entry = entry_for(env.id)
+        except EnvNotFoundError as e:
+            if "/" in env.id:  # a namespace's own message names its close matches
+                return [f"env.id: {e}"]
+            hint = _closest(env.id, [i for i, e in entries.items() if e.status != "broken"])
+            return [
+                f"env.id: unknown env {env.id!r}"
+                + (f"; did you mean {hint!r}?" if hint else "")
+                + f" (registered: {', '.join(sorted(entries))}, and "
+                + ", ".join(f"{ns}/<name>" for ns in NAMESPACES)
+                + "; `odyssey envs list` shows them)"
+            ]
+        except EnvLoadError as e:
+            return [f"env.id: {e}"]
+    if entry.status == "broken":
+        return [f"env.id: env {env.id!r} is broken: {entry.error}"]
+    factory = entry.factory
+    if factory is None:
+        from envs.dotted import DottedNameError, resolve_name
+
+        try:
+            factory = resolve_name(entry.entry_point, what="entry point")
+        except DottedNameError as e:
+            return [f"env.id: env {env.id!r} cannot be imported from {entry.entry_point}: {e.problem}"]
+    out = []
+    if "max_turns" in env.kwargs:
+        out.append(
+            "env.kwargs.max_turns: the turn limit has one source, rollout.max_turns (the env and the agent "
+            "loop both read it); remove env.kwargs.max_turns and set "
+            f"rollout.max_turns={env.kwargs['max_turns']}"
+        )
+    accepted = _accepted_kwargs(factory)
+    if accepted is not None:
+        out += [
+            f"env.kwargs.{k}: unknown argument of env {env.id!r}"
+            + (f"; did you mean 'env.kwargs.{hint}'?" if (hint := _closest(k, accepted)) else "")
+            + f" (accepted: {', '.join(sorted(accepted))})"
+            for k in env.kwargs
+            if k not in accepted and k != "max_turns"
+        ]
+    return out + _dataset_problems(env, getattr(factory, "func", factory), rewards)
+
+
+def _dataset_problems(env: EnvSection, env_cls: Any, rewards: Sequence[RewardEntry]) -> list[str]:
+    """env.dataset against the file (readable, rows fit, split), the env (takes rows, needs them, its own
+    checks), and TRL-form rewards (their required arguments are dataset columns or params)."""
+    try:
+        from envs.dataset import DatasetError, TaskDataset
+    except ImportError:
+        return []
+    data = None
+    if env.dataset is not None:
+        d = env.dataset
+        try:
+            data = TaskDataset.load(d.path, d.eval_size, d.seed, d.prompt_field, d.answer_field)
+        except DatasetError as e:
+            return [f"env.dataset: {e}"]
+    check = getattr(env_cls, "dataset_problems", None)
+    out = [f"env.dataset: {p}" for p in check(data)] if check is not None else []
+    if data is None and env.dataset is not None and check is None:
+        out.append(f"env.dataset: env {env.id!r} is not an Odyssey ToolEnv and cannot take dataset rows")
+    return out + _trl_column_problems(rewards, data)
+
+
+def _trl_column_problems(rewards: Sequence[RewardEntry], data: Any) -> list[str]:
+    """A TRL-form reward's required arguments (no default, not in params) must be dataset columns."""
+    try:
+        from rewards.registry import resolve_reward
+        from rewards.trl_form import const_params, is_trl_form
+    except ImportError:
+        return []
+    columns = set(data.columns) if data is not None else set()
+    out = []
+    for i, r in enumerate(rewards):
+        try:
+            fn = resolve_reward(r.name)
+        except ValueError:
+            continue  # reported by _reward_problems
+        if not is_trl_form(fn):
+            continue
+        need = [
+            p.name
+            for p in const_params(fn)
+            if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        missing = [n for n in need if n not in r.params and n not in columns]
+        if missing:
+            where = f"the columns of env.dataset ({', '.join(sorted(columns))})" if data else "no dataset"
+            out.append(
+                f"rewards[{i}] ({r.name}): this TRL-form reward needs {missing} as dataset columns (TRL "
+                f"passes every column by name), but the tasks have {where}; add the columns, give them in "
+                "params, or give the arguments defaults"
+            )
+    return out
+
+
+def _accepted_kwargs(factory: Any) -> set[str] | None:
+    """Keyword names a function or class accepts, following **kwargs up the MRO; None = anything goes."""
+    if inspect.isclass(factory):
+        fns = [
+            c.__dict__["__init__"] for c in factory.__mro__ if "__init__" in c.__dict__ and c is not object
+        ]
+    else:
+        fns = [factory]
+    names: set[str] = set()
+    for fn in fns:
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            return None
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names
+    return None
+
+
+def _closest(word: str, options: Sequence[str]) -> str | None:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return close[0] if close else None
+
+
+def _show(v: Any) -> str:
+    s = repr(v)
+    return (s if len(s) <= 60 else s[:57] + "...") + f" ({type(v).__name__})"
+
+
+__all__ = ["config_problems", "estimator", "is_hf_policy"]
