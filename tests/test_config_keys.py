@@ -501,6 +501,10 @@ PROBES |= {
     "orchestrator.dynamic_sampling_cap": Probe(
         "orchestrator.dynamic_sampling_cap=1.0", dynamic_sampling, ("orchestrator.dynamic_sampling=true",)
     ),
+    "orchestrator.group_filter": Probe(
+        "orchestrator.group_filter=tests.test_train_admission:keep_all", dynamic_sampling,
+        ("orchestrator.dynamic_sampling=true",),
+    ),
     "orchestrator.buffer_order": Probe(
         "orchestrator.buffer_order=length", lambda c: trainer("buffer")(c).order
     ),

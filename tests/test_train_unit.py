@@ -288,40 +288,6 @@ def _trainer(tmp_path, *overrides):
     return t
 
 
-@pytest.mark.parametrize(
-    "k,busy,drawn", [(0, False, 2), (0, True, 0), (1, True, 2), (1, False, 4), (2, True, 4)]
-)
-def test_staleness_bound_limits_groups_ahead(tmp_path, k, busy, drawn):
-    """(k + 1 - busy) x G useful groups ahead of the learner (G = 2 groups per batch here)."""
-    t = _trainer(tmp_path, f"orchestrator.max_staleness={k}")
-    t._draw(busy=busy)
-    assert len(t.open_groups) == drawn and len(t.dispatcher.samples) == 2 * drawn
-    assert [s.key for s in t.dispatcher.samples[:2]] == (["train/0/0", "train/0/1"] if drawn else [])
-
-
-def test_dynamic_sampling_discards_zero_variance_groups_up_to_the_cap(tmp_path):
-    """dynamic_sampling_cap 2 with G = 2: at most (2 - 1) x 2 zero-variance groups are discarded per step,
-    later ones are kept; groups with variance are always kept."""
-    from rl.rollout.dispatch import Finished
-
-    t = _trainer(tmp_path, "orchestrator.dynamic_sampling=true", "orchestrator.dynamic_sampling_cap=2.0")
-    t._draw(busy=False)
-
-    def finish(task_index, rewards):
-        for s, traj in _group(task_index, rewards):
-            t.open_groups.add(s.task.key)
-            t._on_finished(Finished(s, traj, 0, final=True))
-
-    finish(0, [1.0, 1.0])  # no variance: discarded
-    finish(1, [0.0, 1.0])  # variance: kept
-    finish(2, [0.0, 0.0])  # discarded (2nd)
-    finish(3, [0.5, 0.5])  # cap reached: kept
-    assert sorted(t.buffer.ready) == ["train/1", "train/3"]
-    assert t.state.counters["discarded/zero_variance"] == 2
-    assert t.ledger_discarded == ["train/0/0", "train/0/1", "train/2/0", "train/2/1"]
-    assert len(t.store) == 8  # every finished episode is stored, discarded ones too
-
-
 def test_infra_failures_are_rerun_then_kept_masked():
     """Dispatcher bookkeeping: an infra-failed attempt below max_infra_retries goes back to the front of the
     queue (final=False); the last attempt is final and stays marked."""

@@ -99,13 +99,16 @@ def estimator(name: str) -> Any:
 
 
 def _registry_problems(c: RunConfig) -> list[str]:
-    """learner.policy_loss and rollout.engine: a registry's built-in name or a resolvable pkg.module:fn."""
+    """learner.policy_loss, rollout.engine, orchestrator.group_filter: a registry's built-in name or a
+    resolvable pkg.module:fn."""
     from rl.learner.losses import policy_loss_fn
     from rl.rollout.engines import engine_factory
+    from rl.train.group_filters import group_filter
 
     out = []
     for key, value, lookup in (("learner.policy_loss", c.learner.policy_loss, policy_loss_fn),
-                               ("rollout.engine", c.rollout.engine, engine_factory)):
+                               ("rollout.engine", c.rollout.engine, engine_factory),
+                               ("orchestrator.group_filter", c.orchestrator.group_filter, group_filter)):
         try:
             lookup(value)
         except ValueError as e:

@@ -185,6 +185,8 @@ class OrchestratorSection(_Section):
     max_worker_restarts: int = Field(4, ge=0)  # dead rollout workers replaced during a run, in all
     dynamic_sampling: bool = False  # DAPO: draw more groups until the batch has only non-zero-variance ones
     dynamic_sampling_cap: float = Field(3.0, ge=1.0)  # most groups drawn per step, x the batch's groups
+    # what dynamic sampling discards: rl/train/group_filters.py, zero_variance | pkg.module:fn (keep = True)
+    group_filter: str = "zero_variance"
     # experience buffer
     buffer_order: Literal["fifo", "length", "freshness", "priority"] = "fifo"
     # weight sync

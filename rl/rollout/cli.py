@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,13 +44,12 @@ from typing import Any
 
 from rich.console import Console
 
+from rl.rollout.fleet import RolloutFleet, worker_spawner
 from rl.rollout.health import BatchUnhealthy, InfraGuard
 from rl.rollout.startup import StartupClock
 from rl.rollout.summary import RolloutProgress, report_from_dict, report_from_store, summary_table
 from rl.rollout.tasks import Sample, task_stream
 from rl.rollout.worker import RolloutWorker, WorkerReport, WorkerSettings
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -235,34 +232,6 @@ def _check_guard(guard: InfraGuard | None, settings: WorkerSettings, n: int, pol
     guard.check({settings.env_id: total}, {settings.env_id: n}, examples, by_source)
 
 
-def init_ray(num_cpus: int) -> bool:
-    """Join RAY_ADDRESS (set by `ray job submit`, or by hand: RAY_ADDRESS=auto) or start an embedded Ray
-    with at least `num_cpus` logical CPUs; True when we started it (and must shut it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
-        return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    ray.init(
-        address="local",  # always a new embedded cluster (never silently join a `ray start` one)
-        num_cpus=max(os.cpu_count() or 1, num_cpus),
-        include_dashboard=False,
-        logging_level="WARNING",
-        runtime_env={
-            "env_vars": {
-                "PYTHONPATH": pythonpath,
-                "RAY_AUTH_MODE": "disabled",
-                "TOKENIZERS_PARALLELISM": "false",
-            }
-        },
-    )
-    return True
-
-
 def run_on_ray(
     settings: WorkerSettings,
     samples: list[Sample],
@@ -282,40 +251,26 @@ def run_on_ray(
     the last attempt is stored marked). A worker that dies is named and replaced (at most `max_restarts`
     times in all, default one per worker); the episodes it held are re-run with the same seeds, so every
     sample is stored exactly once. actor_factory(worker_id) -> actor (default: a 1-CPU RolloutWorker
-    with `actor_options`). guard: stops the run (BatchUnhealthy, actors killed) once it judges the infra
-    errors too many. clock: gets the "ray", "workers_ready" and "first_episode" marks (rl/rollout/startup.py).
+    with `actor_options`; rl/rollout/fleet.py starts Ray and the actors). guard: stops the run
+    (BatchUnhealthy, actors killed) once it judges the infra errors too many. clock: gets the "ray",
+    "workers_ready" and "first_episode" marks (rl/rollout/startup.py).
     Returns the report of the stored episodes (wall_s: the driver's, from every actor being up to the last
     result) and the failure messages.
     """
-    import ray
-
-    from rl.rollout.dispatch import Dispatcher
     from rl.trajectory import TrajectoryStore
 
     clock = clock or StartupClock()
-    started = init_ray(num_workers)
+    fleet = RolloutFleet(num_workers)
     clock.mark("ray")
-    actor_settings = dataclasses.replace(settings, store_dir=None)  # the driver stores: no shared disk
-    if actor_factory is None:
-        actor_cls = ray.remote(RolloutWorker).options(
-            **{"num_cpus": 1, "max_restarts": 0, **(actor_options or {})}
-        )
-
-        def actor_factory(i: int) -> Any:
-            return actor_cls.remote(actor_settings, i)
-
-    def spawn(i: int) -> tuple[Any, Any]:
-        actor = actor_factory(i)
-        return actor, actor.ping.remote()
-
+    spawn = worker_spawner(settings, {"num_cpus": 1, **(actor_options or {})}, actor_factory=actor_factory)
     store = TrajectoryStore(settings.store_dir) if settings.store_dir else None
     report = WorkerReport(workers=num_workers)
-    dispatcher = Dispatcher(
+    dispatcher = fleet.launch(
         spawn,
         num_workers,
         settings.concurrency,
         max_infra_retries=max_infra_retries,
-        max_restarts=num_workers if max_restarts is None else max_restarts,
+        max_restarts=max_restarts,
         env_id=settings.env_id,
         log=lambda m: console.print(f"odyssey rollout: {m}", highlight=False, markup=False),
     )
@@ -336,9 +291,7 @@ def run_on_ray(
                 prog.update(report.episodes, report.generated_tokens, report.infra_errors)
                 _check_guard(guard, settings, len(samples), [_as_poll(report)])
     finally:
-        dispatcher.close()
-        if started:
-            ray.shutdown()
+        fleet.close()
     report.wall_s = time.perf_counter() - t0
     report.infra_retries = dispatcher.infra_retries
     return report, list(dispatcher.failures)

@@ -51,6 +51,12 @@ def eval_samples(cfg: Any, episodes: int, k: int, difficulties: list[int] | None
     return out
 
 
+def env_difficulty(cfg: Any) -> Any:
+    """The difficulty of tasks with no difficulty option: env.kwargs' (the env's default, 0, when unset).
+    Training-time and `odyssey eval` metrics name their cells `<env>/d<difficulty>` by it alike."""
+    return cfg.env.kwargs.get("difficulty", 0)
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
     if n <= 0:
@@ -132,12 +138,8 @@ def evaluate_checkpoint(cfg: Any, checkpoint: str | Path, episodes: int, console
     (workers read it themselves: the directory must be reachable from their nodes)."""
     import dataclasses
 
-    import ray
-
-    from rl.rollout.cli import init_ray
-    from rl.rollout.dispatch import Dispatcher
-    from rl.rollout.worker import RolloutWorker, WorkerSettings
-    from rl.train.loop import run_samples
+    from rl.rollout.fleet import RolloutFleet, worker_spawner
+    from rl.rollout.worker import WorkerSettings
     from rl.train.placement import actor_options, check_fits, torch_threads
 
     o = cfg.orchestrator
@@ -147,17 +149,11 @@ def evaluate_checkpoint(cfg: Any, checkpoint: str | Path, episodes: int, console
         checkpoint=str(policy_dir(checkpoint)),
         torch_threads=torch_threads(o.rollout_resources),
     )
-    started = init_ray(cfg.rollout.num_workers)
+    fleet = RolloutFleet(cfg.rollout.num_workers)
     try:
         check_fits(cfg)
-        cls = ray.remote(RolloutWorker).options(**actor_options(o.rollout_resources), max_restarts=0)
-
-        def spawn(i: int) -> tuple[Any, Any]:
-            actor = cls.remote(settings, i)
-            return actor, actor.ping.remote()
-
-        d = Dispatcher(
-            spawn,
+        fleet.launch(
+            worker_spawner(settings, actor_options(o.rollout_resources)),
             cfg.rollout.num_workers,
             cfg.rollout.concurrent_episodes,
             max_infra_retries=o.max_infra_retries,
@@ -165,14 +161,10 @@ def evaluate_checkpoint(cfg: Any, checkpoint: str | Path, episodes: int, console
             env_id=cfg.env.id,
             log=lambda m: console.print(f"odyssey eval: {m}", highlight=False, markup=False),
         )
-        try:
-            results = run_samples(d, samples)
-        finally:
-            d.close()
+        results = fleet.run_samples(samples)
     finally:
-        if started:
-            ray.shutdown()
-    return summarize(samples, results, o.eval_pass_k, cfg.env.id, cfg.env.kwargs.get("difficulty", 0))
+        fleet.close()
+    return summarize(samples, results, o.eval_pass_k, cfg.env.id, env_difficulty(cfg))
 
 
 def cli_main(argv: list[str]) -> int:

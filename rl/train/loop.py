@@ -3,15 +3,16 @@
     summary = Trainer(cfg).run()          # what `odyssey train CONFIG` and `rl.train.train(cfg)` do
 
 The driver holds no model. It draws tasks (rl/rollout/tasks.py), queues `group_size` samples of each on
-the rollout workers (rl/rollout/dispatch.py), stores every finished episode (rl/trajectory.py), gathers
-groups in the experience buffer (buffer.py), hands batches of `rollout.episodes / group_size` groups to
-the learner (learner_client.py), broadcasts each new policy version to the workers (weight_sync.py),
-writes one metrics line per step (metrics.py), evaluates on held-out tasks (eval.py) and checkpoints
-(checkpoint.py).
+the rollout workers (rl/rollout/fleet.py starts Ray and the workers, rl/rollout/dispatch.py feeds them),
+stores every finished episode (rl/trajectory.py), gathers groups in the experience buffer (buffer.py),
+hands batches of `rollout.episodes / group_size` groups to the learner (learner_client.py), broadcasts
+each new policy version to the workers (weight_sync.py), writes one metrics line per step (metrics.py),
+evaluates on held-out tasks (eval.py) and checkpoints (checkpoint.py).
 
 Sync and async (orchestrator.max_staleness = k). A group drawn while the weights are at version v is
 consumed by the learner at step >= v; its staleness is the learner's version minus the version of its
-oldest generated token. The driver keeps at most `(k + 1 - busy) * G` useful groups (ready in the
+oldest generated token. The driver (its `Admission`, rl/train/admission.py, which also applies the group
+filter of dynamic sampling) keeps at most `(k + 1 - busy) * G` useful groups (ready in the
 buffer, or still being played) ahead of the learner, where G is the batch's group count and busy is 1
 while a learner step runs, so in fifo order a group is consumed at most k versions after it was drawn:
 
@@ -22,8 +23,9 @@ while a learner step runs, so in fifo order a group is consumed at most k versio
   member whose oldest token is more than k versions behind at training time is dropped and counted
   (`dropped/stale`); with buffer orders other than fifo this can happen to groups left waiting.
 
-Dynamic sampling (orchestrator.dynamic_sampling, DAPO): a complete group whose valid members all have
-the same total reward is discarded on arrival (counted), and another task is drawn instead, until
+Dynamic sampling (orchestrator.dynamic_sampling, DAPO): a complete group that the group filter rejects
+(orchestrator.group_filter; by default one whose valid members all have the same total reward) is
+discarded on arrival (counted), and another task is drawn instead, until
 `dynamic_sampling_cap * G` groups were drawn for the step; after that such groups are kept (the
 learner then drops them itself, with its own count).
 
@@ -50,9 +52,11 @@ from rich.console import Console
 
 from rl.learner.estimators import estimator
 from rl.rollout.dispatch import Dispatcher, Finished, NoWorkersLeft
+from rl.rollout.fleet import RolloutFleet, run_samples, worker_spawner
 from rl.rollout.health import BatchUnhealthy
 from rl.rollout.tasks import Sample, task_stream
 from rl.rollout.worker import RolloutWorker, WorkerSettings
+from rl.train.admission import Admission
 from rl.train.buffer import ExperienceBuffer
 from rl.train.checkpoint import latest_checkpoint, write_checkpoint
 from rl.train.learner_client import LearnerClient, LearnerDied
@@ -134,11 +138,10 @@ class Trainer:
         self.sinks = MetricSinks(self.run_dir, cfg.logging, cfg.model_dump(mode="json"))
         self.metrics = self.sinks.jsonl
         self._enter_stage(0)
+        self.admission = Admission.from_config(self.cfg, self.groups_per_step)  # staleness bound, filter
         self.buffer = ExperienceBuffer(self.group_size, o.buffer_order)
         self.state = DriverState()
         self.sync = WeightSync(o.weight_sync_timeout_s)
-        self.open_groups: set[str] = set()  # tasks drawn whose group is not complete yet
-        self.discarded_since_step = 0
         self.step_counts: dict[str, int] = {}  # counters since the previous metrics line
         self.ledger_discarded: list[str] = []
         self.learner: LearnerClient | None = None
@@ -152,6 +155,8 @@ class Trainer:
         self.cfg = stage_config(self.base_cfg, index) if self.base_cfg.stages else self.base_cfg
         self.groups_per_step = max(1, self.cfg.rollout.episodes // self.group_size)
         self.stream = task_stream(self.cfg, "train")  # env.dataset: rows of its train split
+        if hasattr(self, "admission"):  # a stage may change rollout.episodes, so the batch's group count
+            self.admission.groups_per_step = self.groups_per_step
 
     def _log(self, msg: str) -> None:
         self.console.print(f"odyssey train: {msg}", highlight=False, markup=False, soft_wrap=True)
@@ -171,14 +176,10 @@ class Trainer:
             torch_threads=torch_threads(self.cfg.orchestrator.rollout_resources),
         )
 
-    def _spawn(self, worker_id: int) -> tuple[Any, Any]:
-        import ray
-
-        opts = {**actor_options(self.cfg.orchestrator.rollout_resources), "max_restarts": 0}
-        actor = ray.remote(self.worker_cls).options(**opts).remote(self.settings, worker_id)
+    def _ready_ref(self, actor: Any) -> Any:
         if self.sync.ref is None:  # at start-up: the weights are pushed once the learner is up
-            return actor, actor.ping.remote()
-        return actor, self.sync.ready_ref(actor)  # a replacement: ready once it holds the current weights
+            return actor.ping.remote()
+        return self.sync.ready_ref(actor)  # a replacement: ready once it holds the current weights
 
     def _resume(self) -> Path | None:
         """Load the latest checkpoint when resuming (driver state + buffer; the learner loads in start)."""
@@ -193,9 +194,10 @@ class Trainer:
             )
         self.state = DriverState.from_json((ckpt / DRIVER_STATE).read_text())
         self.buffer.load(ckpt / BUFFER_FILE)
-        self.open_groups = set(self.buffer.partial) | {
-            Sample.from_dict(d).task.key for d in self.state.pending
-        }
+        for g in self.buffer.partial.values():
+            self.admission.opened(g.members[0][0].task)
+        for d in self.state.pending:
+            self.admission.opened(Sample.from_dict(d).task)
         moved = self.metrics.keep_first(self.state.metrics_lines)
         _keep_first_lines(self.run_dir / LEDGER_FILE, self.state.ledger_lines)
         _keep_first_lines(self.run_dir / EVAL_FILE, self.state.eval_lines)
@@ -226,7 +228,6 @@ class Trainer:
     def start(self) -> None:
         """Ray, resume state, learner, weights v0 (or the checkpoint's), rollout workers."""
         from rl.config import write_resolved
-        from rl.rollout.cli import init_ray
 
         t0 = time.perf_counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -250,13 +251,15 @@ class Trainer:
             self._log(f"the run is complete: step {self.state.step}, learner.steps={self.cfg.learner.steps}")
             return
         demand = cluster_demand(self.cfg)
-        started = init_ray(int(demand.get("CPU", 1) + 0.999))
-        self._started_ray = started or self._started_ray  # a stage switch calls start() again
+        fleet = RolloutFleet(int(demand.get("CPU", 1) + 0.999))
+        self._started_ray = fleet.started_ray or self._started_ray  # a stage switch calls start() again
         check_fits(self.cfg)
         self.settings = self._worker_settings()
         o, r = self.cfg.orchestrator, self.cfg.rollout
-        self.dispatcher = Dispatcher(  # worker actors start while the learner builds
-            self._spawn,
+        options = actor_options(o.rollout_resources)
+        spawn = worker_spawner(self.settings, options, self.worker_cls, self._ready_ref)
+        self.dispatcher = fleet.launch(  # worker actors start while the learner builds
+            spawn,
             r.num_workers,
             r.concurrent_episodes,
             max_infra_retries=o.max_infra_retries,
@@ -294,16 +297,13 @@ class Trainer:
         (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
 
     # ------------------------------------------------------------------ rollouts
-    def _limit(self, busy: bool) -> int:
-        return max(0, self.k + 1 - int(busy)) * self.groups_per_step
-
     def _draw(self, busy: bool) -> None:
         """Queue new tasks while fewer useful groups than the staleness bound allows are ahead."""
         assert self.dispatcher is not None
-        while len(self.buffer) + len(self.open_groups) < self._limit(busy):
+        while self.admission.room(len(self.buffer), busy):
             task = self.stream.task(self.state.cursor)
             self.state.cursor += 1
-            self.open_groups.add(task.key)
+            self.admission.opened(task)
             self.dispatcher.put(self.stream.samples(task, self.group_size))
 
     def _on_finished(self, f: Finished) -> None:
@@ -315,17 +315,11 @@ class Trainer:
         group = self.buffer.add(f.sample, f.traj)
         if group is None:
             return
-        self.open_groups.discard(group.key)
-        o = self.cfg.orchestrator
-        cap = (o.dynamic_sampling_cap - 1.0) * self.groups_per_step
-        if o.dynamic_sampling and not group.has_variance and self.discarded_since_step < cap:
+        self.admission.closed(group.key)
+        if not self.admission.admit(group):  # dynamic sampling: discarded, another task is drawn
             self.buffer.discard(group.key)
-            self.discarded_since_step += 1
-            self._count("discarded/zero_variance")
+            self._count(self.admission.counter)
             self.ledger_discarded += [s.key for s, _ in group.members]
-
-    def _open_indices(self) -> set[int]:
-        return {int(k.split("/")[1].split("@")[0]) for k in self.open_groups}
 
     def _poll(self, timeout: float) -> None:
         assert self.dispatcher is not None
@@ -352,7 +346,7 @@ class Trainer:
         assert self.learner is not None
         version = self.state.version
         batch, dropped = self.buffer.take(self.groups_per_step, version, self.k)
-        self.discarded_since_step = 0
+        self.admission.step_taken()
         if dropped:
             self._count("dropped/stale", len(dropped))
         if not batch:
@@ -439,16 +433,14 @@ class Trainer:
 
     def _evaluate(self) -> dict[str, Any]:
         """Held-out evaluation at the current weights; appended to eval.jsonl with the step."""
-        from rl.train.eval import eval_samples, summarize
+        from rl.train.eval import env_difficulty, eval_samples, summarize
 
         assert self.dispatcher is not None
         o = self.cfg.orchestrator
         t0 = time.perf_counter()
         samples = eval_samples(self.cfg, o.eval_episodes, o.eval_pass_k, o.eval_difficulties)
         results = run_samples(self.dispatcher, samples, on_other=self._on_finished)
-        out = summarize(
-            samples, results, o.eval_pass_k, self.cfg.env.id, self.cfg.env.kwargs.get("difficulty")
-        )
+        out = summarize(samples, results, o.eval_pass_k, self.cfg.env.id, env_difficulty(self.cfg))
         with open(self.run_dir / EVAL_FILE, "a") as f:
             f.write(json.dumps({"step": self.state.step, **out, "wall_s": time.perf_counter() - t0}) + "\n")
         self.state.eval_lines += 1
@@ -492,7 +484,7 @@ class Trainer:
         with ProgressLine(total, self.console, self.cfg.logging.log_every) as progress:
             while self.state.step < total:
                 t0 = time.perf_counter()
-                while not self.buffer.batch_ready(self.groups_per_step, self._open_indices()):
+                while not self.buffer.batch_ready(self.groups_per_step, self.admission.open_indices()):
                     self._draw(busy=False)
                     self._poll(timeout=0.5)
                 rollout_s = time.perf_counter() - t0
@@ -567,7 +559,8 @@ class Trainer:
         self._checkpoint()
         self._close_actors()
         self.buffer = ExperienceBuffer(self.group_size, self.cfg.orchestrator.buffer_order)
-        self.open_groups, self.sync = set(), WeightSync(self.cfg.orchestrator.weight_sync_timeout_s)
+        self.admission.reset()
+        self.sync = WeightSync(self.cfg.orchestrator.weight_sync_timeout_s)
         self._switching_stage = True
         try:
             self.start()
@@ -594,24 +587,6 @@ class Trainer:
             self._started_ray = False
         if os.environ.get("ODYSSEY_TIMING"):
             self._log(f"close: actors {t1 - t0:.1f} s, ray shutdown {time.perf_counter() - t1:.1f} s")
-
-
-def run_samples(
-    dispatcher: Dispatcher, samples: list[Sample], on_other: Any = None, timeout: float = 0.5
-) -> dict[str, Any]:
-    """Play `samples` first (front of the queue) and wait for all of them; finished episodes of other
-    samples (training ones still in flight) go to `on_other`. Returns {sample key: trajectory}."""
-    wanted = {s.key for s in samples}
-    got: dict[str, Any] = {}
-    dispatcher.put(samples, front=True)
-    while len(got) < len(wanted):
-        for f in dispatcher.poll(timeout):
-            if f.sample.key in wanted:
-                if f.final:
-                    got[f.sample.key] = f.traj
-            elif on_other is not None:
-                on_other(f)
-    return got
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
