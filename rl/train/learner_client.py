@@ -7,7 +7,7 @@ holds no model.
     ref = client.weights()               # ObjectRef of rank 0's state_dict: put once, fetched by N workers
     client.save(dir); client.load(dir)   # learner state (model safetensors, optimizer, scheduler, RNG...)
 
-The learner is issue 11's `LearnerGroup` (N `LearnerRank` actors joined by torch.distributed, each holding
+The learner is a `LearnerGroup` (N `LearnerRank` actors joined by torch.distributed, each holding
 a `rl.learner.Learner`). This module only adapts it to the loop:
 
 - placement: the ranks get every resource of `orchestrator.learner_resources`, custom ones included (the
