@@ -196,7 +196,7 @@ def test_worker_engine_choice_follows_the_config():
     engine, tmp = build_engine(settings, detokenize=str)
     assert settings.engine == "torch" and isinstance(engine, TorchEngine) and tmp is None
     settings.engine = "jax"
-    with pytest.raises(ValueError, match="unknown rollout engine 'jax'; use 'torch' or 'vllm'"):
+    with pytest.raises(ValueError, match="unknown rollout engine 'jax': choose from torch, vllm"):
         build_engine(settings, detokenize=str)
 
 
