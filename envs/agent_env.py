@@ -8,10 +8,11 @@ endpoint (rl/rollout/endpoint.py); a verifier scores what the agent returns.
         agent: examples.openai_agent.agent:solve             # def solve(client, task) -> result
         verifier: exact-match                                 # or math-verify, or pkg.module:fn
 
-Your function is called once per episode, in a worker thread, with an `openai.OpenAI` client whose
-`base_url` and `api_key` reach this episode only, and the task: a dict with `task_id`, `prompt` and the
-row's other columns (never the answer column). It returns the episode's result (anything `str()` can
-show); the verifier scores `str(result)` against the row's answer, and that score is the outcome.
+Your function is called once per episode, on a thread of its own (envs/threads.py), with an
+`openai.OpenAI` client whose `base_url` and `api_key` reach this episode only, and the task: a dict with
+`task_id`, `prompt` and the row's other columns (never the answer column). It returns the episode's
+result (anything `str()` can show); the verifier scores `str(result)` against the row's answer, and that
+score is the outcome.
 Tasks come from `env.dataset` rows, or from `tasks: pkg.module:fn` (`fn(seed) -> {"prompt": ...,
 "answer": ...}`).
 
@@ -89,7 +90,7 @@ class AgentEnv(ToolEnv):
         if inspect.iscoroutinefunction(self.agent) or len(params) != 2:
             raise TypeError(
                 f"env.kwargs.agent {agent!r} must be a plain function of two arguments, (client, task) -> "
-                "result; it runs in a worker thread with a synchronous openai.OpenAI client"
+                "result; it runs on a thread of its own with a synchronous openai.OpenAI client"
             )
         self.tasks = _callable(tasks, "tasks") if tasks is not None else None
         if agent_timeout_s <= 0:
@@ -126,7 +127,12 @@ class AgentEnv(ToolEnv):
         )
 
     async def score(self, result: Any) -> float:
-        """The verifier's score of `str(result)` against the task's answer (None scores 0)."""
+        """The verifier's score of `str(result)` against the task's answer (None, and a result `str()`
+        cannot show, such as an integer of more than 4300 digits, score 0)."""
         if result is None:
             return 0.0
-        return float((await self.verifier.averify(str(result), self.task.answer, self.task.columns)).score)
+        try:
+            text = str(result)
+        except Exception:  # the agent's result, shaped by the policy: a failed answer, not the env's error
+            return 0.0
+        return float((await self.verifier.averify(text, self.task.answer, self.task.columns)).score)

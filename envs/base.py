@@ -39,6 +39,8 @@ stored as the `step_infos` of `envs.trajectory.Trajectory`):
     turn         int        1-based index of this step in the episode
     no_tool_call bool       the turn held no tool call at all
     success      float      only when terminated by the env (not on infra errors or truncation)
+Every value is nested at most `MAX_INFO_DEPTH` levels (`bound_info_depth`: a deeper one is replaced), and a
+tool call's JSON at most `envs.tool_call.MAX_JSON_DEPTH`: a step info always crosses Ray and the store.
 
 Dataset rows. `reset(options={"row": row})` (a DatasetRow or a mapping of columns; envs/dataset.py) builds
 the task with `task_from_row(row)` instead of `generate_task(seed, options)`; envs that take rows
@@ -68,7 +70,16 @@ import gymnasium
 
 from envs.dataset import DatasetRow, TaskDataset, as_row
 from envs.spaces import ChatMessages, ChatText
-from envs.tool_call import EXPECTED_FORMAT, ToolCallError, echo, parse_tool_calls, without_surrogates
+from envs.threads import run_in_own_thread
+from envs.tool_call import (
+    EXPECTED_FORMAT,
+    MAX_JSON_DEPTH,
+    ToolCallError,
+    echo,
+    parse_tool_calls,
+    value_depth,
+    without_surrogates,
+)
 from envs.tool_result import ImageLimits, ToolResult, tool_result_content
 from envs.tools import ToolArgumentError, ToolDefinitionError, ToolError, ToolSpec
 from envs.trajectory import StepInfo
@@ -76,6 +87,29 @@ from sandbox.errors import SandboxError
 
 Message = dict[str, str]
 MAX_ERROR_CHARS = 1000  # an error observation (which may quote the model) is cut at this length
+#: the deepest a step info's value may nest (its tool calls' arguments: at most MAX_JSON_DEPTH + 2 levels);
+#: a deeper value is replaced by a marker, since Ray cannot pickle values nested ~495 levels deep
+MAX_INFO_DEPTH = 2 * MAX_JSON_DEPTH
+
+
+def bound_info_depth(info: dict[str, Any], limit: int = MAX_INFO_DEPTH) -> dict[str, Any]:
+    """`info` (a step's info dict, changed in place and returned) with every value nested deeper than `limit`
+    levels replaced: a tool call's arguments by {"dropped": why}, any other value by a string saying why.
+    So whatever an env (or the model text it parsed) put there can be pickled, stored and read back."""
+    why = f"nested deeper than {limit} levels: dropped"
+    for key, value in list(info.items()):
+        if value_depth(value, limit) <= limit:
+            continue
+        if key == "tool_calls" and isinstance(value, list):
+            info[key] = [
+                c if value_depth(c, limit) <= limit else {
+                    "name": echo(c.get("name") if isinstance(c, dict) else "?"), "arguments": {"dropped": why}
+                }
+                for c in value
+            ]
+        else:
+            info[key] = f"<{why}>"
+    return info
 
 
 class TaskLike(Protocol):
@@ -278,6 +312,7 @@ class ToolEnv(gymnasium.Env):
 
     def step(self, action: str):
         result = self._run(self._step(action))
+        bound_info_depth(result[4])
         if result[2] or result[3]:
             self._release_sync()
         return result
@@ -303,6 +338,7 @@ class ToolEnv(gymnasium.Env):
 
     async def astep(self, action: str):
         result = await self._step(action)
+        bound_info_depth(result[4])
         if result[2] or result[3]:
             await self._arelease()
         return result
@@ -318,12 +354,15 @@ class ToolEnv(gymnasium.Env):
     async def _start(self, seed: int | None, options: dict[str, Any]) -> tuple[list[Message], dict[str, Any]]:
         self._over = True  # until the new episode is fully set up
         task_seed = int(seed) if seed is not None else int(self.np_random.integers(2**31 - 1))
-        # off the event loop: generating a large task (long-docs) takes a while
+        # off the event loop (generating a large task, long-docs, takes a while), on a thread of its own: a
+        # plugin's task code that blocks holds only that thread, never the engine's (envs/threads.py)
         row = options.get("row")
         if row is not None:
-            self.task = await asyncio.to_thread(self.task_from_row, as_row(row))
+            self.task = await run_in_own_thread(self.task_from_row, as_row(row), timeout_s=None, what="task")
         else:
-            self.task = await asyncio.to_thread(self.generate_task, task_seed, options)
+            self.task = await run_in_own_thread(
+                self.generate_task, task_seed, options, timeout_s=None, what="task"
+            )
         self._turn, self._over, self._finished = 0, False, None
         self._achieved, self._new_subgoals = [], []
         await self.setup()
@@ -485,4 +524,4 @@ class ToolEnv(gymnasium.Env):
         if isinstance(stack, contextlib.AsyncExitStack):
             await stack.aclose()
         elif stack is not None:
-            await asyncio.to_thread(stack.close)
+            await run_in_own_thread(stack.close, timeout_s=None, what="sandbox-release")

@@ -15,6 +15,10 @@ importable by module and name) with an 8-byte length prefix to the child's stdin
 goes to stderr, so a library's prints cannot corrupt the answer). A call past `timeout_s` kills the
 child and returns `(None, True)`; the next call on that thread starts a fresh one. An exception inside
 the function is raised here unchanged; a child that dies is a `ChildProcessDied`.
+
+Each child starts in a new session (its own process group, pgid = its pid), and killing it kills the whole
+group (`os.killpg`, SIGKILL): a helper the library spawned (Pillow's EPS plugin runs `gs`, a scorer may
+run a shell) dies with it instead of being re-parented to init and running on.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import concurrent.futures
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -40,7 +45,7 @@ class ChildProcessDied(RuntimeError):
 
 
 class _Child:
-    """One child process and its pipes."""
+    """One child process and its pipes; the child leads its own session and process group."""
 
     def __init__(self) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -49,6 +54,7 @@ class _Child:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
+            start_new_session=True,  # pgid = pid: `kill` ends everything the call spawned, too
         )
 
     def call(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> tuple[Any, bool]:
@@ -57,8 +63,9 @@ class _Child:
             self.proc.stdin.write(_HEADER.pack(len(payload)) + payload)
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as e:
+            self.kill()  # with whatever it spawned
             raise ChildProcessDied(
-                f"the scoring child process is gone (exit code {self.proc.poll()}): {e}"
+                f"the scoring child process is gone (exit code {self.proc.returncode}): {e}"
             ) from e
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         if not ready:
@@ -66,6 +73,7 @@ class _Child:
             return None, True
         header = self.proc.stdout.read(_HEADER.size)
         if len(header) < _HEADER.size:
+            self._kill_group()  # whatever it spawned dies with it
             code = self.proc.wait()
             raise ChildProcessDied(f"the scoring child process died (exit code {code}) while running {fn!r}")
         status, value = pickle.loads(self.proc.stdout.read(_HEADER.unpack(header)[0]))
@@ -76,8 +84,22 @@ class _Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def pgid(self) -> int:
+        """The child's process group (its own pid: it was started in a new session)."""
+        return self.proc.pid
+
+    def _kill_group(self) -> None:
+        """SIGKILL every process in the child's group, the child included (it may already be gone). Called
+        before the child is reaped, so its pid (the group id) cannot have been reused."""
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def kill(self) -> None:
-        self.proc.kill()
+        """Kill the child and every process it spawned (its process group), and reap the child."""
+        self._kill_group()
         self.proc.wait()
 
 

@@ -25,8 +25,10 @@ The image is checked when the task is built (`envs.tool_result.sanitize_image`: 
 as an RGB PNG; a bad one is a DatasetError naming the row, the column and the problem. A row without a
 value there is a text-only task.
 
-A verifier past `verifier_timeout_s` scores the answer 0.0 (`info["verifier_timed_out"]`); a verifier
-that raises is the env's own failure (an infra error: not scored).
+A verifier past `verifier_timeout_s` scores the answer 0.0 (`info["verifier_timed_out"]`), and so does an
+answer that makes a built-in verifier fail (`info["verifier_failed"]`, envs/verifiers.py "Failures"): any
+text the model writes gets a score. A custom verifier that raises is the env's own failure (an infra
+error: not scored).
 """
 
 from __future__ import annotations
@@ -163,7 +165,9 @@ class DatasetQAEnv(TextEnv):
 
     async def respond(self, text: str) -> TextReply:
         result = await self.verifier.averify(text, self.task.answer, self.task.columns)
-        info = {"verifier_timed_out": True} if result.timed_out else {}
+        info: dict[str, Any] = {"verifier_timed_out": True} if result.timed_out else {}
+        if result.failed is not None:
+            info["verifier_failed"] = result.failed
         if result.score >= 1.0 or not self.multi_turn or self.turn >= self.max_turns:
             return TextReply([], result.score, done=True, info=info)
         return TextReply([{"role": "user", "content": self.feedback}], result.score, done=False, info=info)

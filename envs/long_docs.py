@@ -17,7 +17,6 @@ transcripts, its evaluation and Docker-free smoke runs.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import tarfile
 import tempfile
@@ -30,6 +29,7 @@ from envs.sandbox_scripts import docs as docs_script
 from envs.sandbox_scripts import script_source
 from envs.sandbox_scripts.docs import MAX_PATTERN as MAX_PATTERN_CHARS
 from envs.tasks import long_docs as long_docs_tasks
+from envs.threads import run_in_own_thread
 from envs.tool_call import echo
 from envs.tools import ToolError, tool
 
@@ -86,9 +86,9 @@ class LongDocsEnv(GeneratedTaskEnv):
 
     async def setup(self) -> None:
         if not self.uses_sandbox:
-            await asyncio.to_thread(self._write_local, self.task.docs)
+            await run_in_own_thread(self._write_local, self.task.docs, timeout_s=None, what="task")
             return
-        archive = await asyncio.to_thread(_tar, self.task.docs)
+        archive = await run_in_own_thread(_tar, self.task.docs, timeout_s=None, what="task")
         await self.sandbox.awrite_file("/work/docs.tar", archive)
         cmd = f"mkdir -p {DOCS_DIR} && tar -xf /work/docs.tar -C {DOCS_DIR} && rm /work/docs.tar"
         res = await self.sandbox.aexec(["sh", "-c", cmd], timeout_s=60)

@@ -9,14 +9,18 @@ Each block's body must be one JSON object with a string `"name"` and an object `
 (`"arguments"` may be omitted for a tool without parameters). Text outside the blocks is allowed
 and ignored. Parsing is a total function of the text: it never raises, whatever the model wrote
 (nesting deep enough to exhaust the recursion limit, integers of any length, NaN/Infinity, lone
-surrogates, duplicate keys, megabytes of anything). Each block becomes either a `ToolCall` or a
-`ToolCallError` whose `message` says exactly what was wrong and shows the expected format, so the
-environment can hand it back to the model as an observation. Every piece of model text quoted in
-a message goes through `echo`: truncated, with lone surrogates and control characters escaped.
+surrogates, duplicate keys, megabytes of anything). A block nested deeper than `MAX_JSON_DEPTH` (64)
+levels is refused before it is parsed: nothing deeper reaches the step info, Ray's pickling or the
+store (`text_depth` / `value_depth` are the checks, for any other place that takes JSON from a model).
+Each block becomes either a `ToolCall` or a `ToolCallError` whose `message` says exactly what was wrong
+and shows the expected format, so the environment can hand it back to the model as an observation.
+Every piece of model text quoted in a message goes through `echo`: truncated, with lone surrogates and
+control characters escaped.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -31,6 +35,16 @@ EXPECTED_FORMAT = f'{OPEN_TAG}{{"name": "<tool name>", "arguments": {{...}}}}{CL
 _TAG_RE = re.compile(r"<tool_call>|</tool_call>")
 _MAX_ECHO = 200  # characters of a bad block quoted back in an error message
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+#: The deepest nesting of arrays and objects a tool-call block may have (the block's own object is level 1,
+#: its "arguments" level 2). Far below what every later stage carries: Ray pickles a step info whose value
+#: is ~495 levels deep no more (PicklingError), json.dumps stops near the recursion limit (~1000), and the
+#: JSON parser itself near there. A deeper block is the model's malformed call (an agent error).
+MAX_JSON_DEPTH = 64
+_ESCAPE_RE = re.compile(r"\\.", re.S)
+_STRING_RE = re.compile(r'"[^"]*"')
+_NOT_BRACKET_RE = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 @dataclass(frozen=True)
@@ -132,9 +146,50 @@ def _lone_surrogate(obj: Any) -> str | None:
     return None
 
 
-def loads_strict(body: str) -> Any:
+def text_depth(text: str) -> int:
+    """The deepest nesting of arrays and objects in JSON text, found without parsing it (linear time, no
+    recursion, whatever the text): brackets inside strings do not count. For text that is not valid JSON
+    the number is only an estimate, which is all a bound needs (such text fails to parse anyway)."""
+    if text.count("[") + text.count("{") == 0:
+        return 0
+    bare = _NOT_BRACKET_RE.sub("", _STRING_RE.sub("", _ESCAPE_RE.sub("", text)))
+    return max(0, max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, bare)), default=0))
+
+
+def value_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """The nesting depth of lists, tuples and dicts in `value` (0 for a scalar, 1 for `[1]`), walked
+    iteratively; the walk stops as soon as the depth passes `limit` (so a value that contains itself ends
+    too, reported as `limit + 1`)."""
+    deepest = 0
+    todo: list[tuple[Any, int]] = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return limit + 1
+        deepest = max(deepest, depth)
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def too_deep_message(limit: int = MAX_JSON_DEPTH) -> str:
+    """The reason given for JSON nested deeper than `limit`."""
+    return f"nested too deeply (more than {limit} levels of arrays and objects)"
+
+
+def loads_strict(body: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """json.loads for model text: ValueError (with a short reason) for anything that is not plain, finite,
-    valid-Unicode JSON with unique keys. Never raises anything else."""
+    valid-Unicode JSON with unique keys, nested at most `max_depth` levels (checked before parsing, so
+    no depth reaches the parser). Never raises anything else."""
+    if not isinstance(body, str):
+        raise ValueError(f"expected JSON text, got {type(body).__name__}")
+    if body.count("[") + body.count("{") > max_depth and text_depth(body) > max_depth:
+        raise ValueError(too_deep_message(max_depth))
     try:
         obj = json.loads(
             body, object_pairs_hook=_no_dup_keys, parse_float=_finite, parse_constant=_no_constant
@@ -142,7 +197,7 @@ def loads_strict(body: str) -> Any:
     except json.JSONDecodeError as err:
         raise ValueError(f"{err.msg} at line {err.lineno} column {err.colno}") from None
     except RecursionError:
-        raise ValueError("nested too deeply") from None
+        raise ValueError(too_deep_message(max_depth)) from None
     except ValueError as err:  # our hooks, or an integer longer than Python converts (4300 digits)
         msg = str(err)
         raise ValueError("an integer is too long" if "digits" in msg else msg) from None

@@ -11,9 +11,12 @@ convention the agent loop's `ChatCodec` prepares):
 
 Image bytes are untrusted: a tool may read them from a file the policy's own code wrote in the sandbox.
 Each is decoded by `sanitize_image` in a killable child process (`envs.child_process.call_in_child`,
-`timeout_s`), never in the env's process: at most `max_bytes` encoded bytes, at most `max_pixels` pixels
-read from the header before any pixel is decoded (a decompression bomb is refused unread), a Pillow mode in
-`model.image.ALLOWED_MODES`, the whole image decoded (truncation is caught). What comes back is a fresh RGB
+`timeout_s`), never in the env's process: at most `max_bytes` encoded bytes, PNG or JPEG only
+(`IMAGE_FORMATS`: Pillow is never asked to identify another format, so it never runs Ghostscript on EPS or
+decodes inside `open` as its ICO and ICNS plugins do), at most `max_pixels` pixels read from the header
+before any pixel is decoded (a decompression bomb is refused unread), a Pillow mode in
+`model.image.ALLOWED_MODES`, the whole image decoded (truncation is caught). A decoder past the timeout is
+killed with its whole process group (anything it spawned dies too). What comes back is a fresh RGB
 PNG that this process re-encoded, so the policy's codec only ever decodes bytes we wrote. An image that
 fails any check, a decoder that hangs past the timeout, or one that crashes the child becomes a text part
 `error: image i: <what is wrong>` (and an entry in `info["tool_errors"]`): the episode goes on and is scored.
@@ -38,7 +41,7 @@ IMAGE_TIMEOUT_S = 10.0  # decoding one image in the child
 
 @dataclass(frozen=True)
 class ToolResult:
-    """A tool's output: `text` plus encoded `images` (PNG, JPEG, ... bytes), shown after the text in order."""
+    """A tool's output: `text` plus encoded `images` (PNG or JPEG bytes), shown after the text in order."""
 
     text: str = ""
     images: Sequence[bytes] = field(default_factory=tuple)
@@ -68,6 +71,10 @@ class ImageLimits:
 #: Pillow modes a tool image may have: model.image.ALLOWED_MODES (equal, tests/test_hostile.py), repeated here
 #: so the decoding child imports Pillow only (model.image imports torch: seconds per fresh child)
 ALLOWED_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA")
+#: the only formats Pillow may open (model.image.IMAGE_FORMATS, equal: tests/test_image_decoder_hostile.py).
+#: Both read their size from the header in `Image.open` and decode nothing there; other plugins run
+#: programs (EPS: Ghostscript) or decode in `open` (ICO, ICNS), before any check of ours
+IMAGE_FORMATS = ("PNG", "JPEG")
 
 
 class ToolImageError(ValueError):
@@ -77,15 +84,17 @@ class ToolImageError(ValueError):
 def sanitize_image(data: bytes, max_pixels: int) -> tuple[bytes, int, int]:
     """Decode untrusted image bytes with limits and re-encode them: -> (RGB PNG bytes, width, height).
 
-    The pixel count comes from the header and is checked before any pixel is decoded; the mode must be in
-    ALLOWED_MODES; alpha is composited over white (as model.image.prepare_image does). Runs in the child
-    process (Pillow only). Raises ToolImageError naming the problem."""
+    Only IMAGE_FORMATS are opened (any other bytes are refused before a plugin reads them); the pixel count
+    comes from the header and is checked before any pixel is decoded; the mode must be in ALLOWED_MODES;
+    alpha is composited over white (as model.image.prepare_image does). Runs in the child process (Pillow
+    only). Raises ToolImageError naming the problem."""
     from PIL import Image, UnidentifiedImageError
 
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError:
-        raise ToolImageError("image bytes are not a format Pillow can decode (send PNG or JPEG)") from None
+        raise ToolImageError("image bytes are not a format Pillow can decode as PNG or JPEG (send PNG or "
+                             "JPEG)") from None
     except Exception as e:  # noqa: BLE001 - any decoder failure is a bad image, named
         raise ToolImageError(f"image bytes could not be read: {type(e).__name__}: {e}") from None
     w, h = img.size
@@ -161,11 +170,12 @@ async def tool_result_content(
 async def read_sandbox_image(sandbox: Any, path: str, limits: ImageLimits) -> bytes:
     """The bytes of an image file in the sandbox (one the policy's code may have written), at most
     `limits.max_bytes` (an endless file such as a symlink to /dev/zero fails as soon as it passes the limit).
-    A missing, unreadable or oversized file is a `ToolError` naming it (an observation, not an infra error);
-    the bytes are still untrusted: return them in a `ToolResult`, which checks them."""
+    A missing, unreadable or oversized file, a FIFO, socket, device or directory (refused at once), or a read
+    past `limits.timeout_s` (said to have timed out) is a `ToolError` naming it (an observation, not an infra
+    error); the bytes are still untrusted: return them in a `ToolResult`, which checks them."""
     from envs.tools import ToolError
 
     try:
-        return await sandbox.aread_file(path, max_bytes=limits.max_bytes)
-    except OSError as e:
+        return await sandbox.aread_file(path, max_bytes=limits.max_bytes, timeout_s=limits.timeout_s)
+    except OSError as e:  # TimeoutError included: its message says the read timed out
         raise ToolError(f"cannot read image {echo(path, 200)!r}: {echo(str(e), 300)}") from None

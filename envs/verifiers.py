@@ -11,14 +11,20 @@
 - `exact-match`: `final_answer(text) == str(truth).strip()`, where `final_answer` is the content of the
   text's last `\\boxed{...}`, else of its last `<answer>...</answer>`, else the whole stripped text.
 - `pkg.module:fn`: your function `fn(answer: str, ground_truth, row: dict) -> float | bool`, `def` (run
-  in a thread) or `async def` (awaited).
+  on a thread of its own, envs/threads.py) or `async def` (awaited).
 
-Failures. A verifier that runs longer than `timeout_s` (wall clock) scores the answer 0.0 and says so
+Failures. The built-in verifiers are total in the answer: whatever the text holds (huge numbers,
+NaN/inf, deep nesting, lone surrogates, megabytes, a value that is not a string) they return a score,
+in time linear in the text (`final_answer` and `last_tagged` never backtrack), and a malformed answer
+scores 0.0. A verifier that runs longer than `timeout_s` (wall clock) scores the answer 0.0 and says so
 (`VerifierResult.timed_out`): only the answer can make a verifier hang (Math-Verify on `9^{9^{9^9}}`),
 so it is the policy's doing, never an infrastructure error; a hung math-verify child is killed and the
-next call spawns a fresh one. A verifier that raises, or returns something that is not a number in
-[0, 1], is a bug in the verifier: `VerifierError`, which the env reports as its own failure (an infra
-error, never scored).
+next call spawns a fresh one. An exception inside Math-Verify caused by the answer is a failed check
+(0.0); a math-verify child that dies on an answer while the ground truth checked against itself runs is
+one too (`VerifierResult.failed` says so). Only the ground truth failing to parse, or the child dying on
+that as well, is `VerifierError`. A custom verifier that raises, or returns something that is not a
+number in [0, 1], is a bug in the verifier: `VerifierError`, which the env reports as its own failure
+(an infra error, never scored); a custom verifier must be total in the answer itself.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.child_process import ChildProcessDied, call_in_child
+from envs.threads import run_in_own_thread
 
 BUILTIN_VERIFIERS = ("math-verify", "exact-match")
 DEFAULT_TIMEOUT_S = 30.0
@@ -43,30 +50,51 @@ class VerifierError(RuntimeError):
 
 @dataclass(frozen=True)
 class VerifierResult:
-    """score in [0, 1]; timed_out: the verifier ran past its timeout (score 0.0)."""
+    """score in [0, 1]; timed_out: the verifier ran past its timeout (score 0.0); failed: why the answer
+    made a built-in verifier fail instead of answering (score 0.0), else None."""
 
     score: float
     timed_out: bool = False
+    failed: str | None = None
 
 
 _BOXED = re.compile(r"\\boxed\s*\{")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+_BRACE = re.compile(r"[{}]")
+
+
+def last_tagged(text: str, tag: str = "answer") -> str | None:
+    """The content of the last `<tag>...</tag>` (None when there is none), exactly what
+    `re.findall("<tag>(.*?)</tag>", text, re.S)[-1]` gives, in linear time: that regex takes quadratic time
+    on a text of many opening tags and no closing one."""
+    open_tag, close_tag = f"<{tag}>", f"</{tag}>"
+    found, pos = None, 0
+    while True:
+        start = text.find(open_tag, pos)
+        if start < 0:
+            return found
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:
+            return found
+        found, pos = text[start + len(open_tag) : end], end + len(close_tag)
 
 
 def final_answer(text: str) -> str:
     """The content of the last `\\boxed{...}` (braces balanced), else of the last `<answer>...</answer>`,
-    else the whole text; stripped."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                return text[start:i].strip()
-    tags = _ANSWER_TAG.findall(text)
-    if tags:
-        return tags[-1].strip()
-    return text.strip()
+    else the whole text; stripped. Linear time in the text, whatever it holds."""
+    starts = {m.end() - 1 for m in _BOXED.finditer(text)}  # the boxes' opening braces
+    best: tuple[int, int] | None = None  # (start, end) of the last box that closes
+    stack: list[int] = []
+    for m in _BRACE.finditer(text) if starts else ():
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            opened = stack.pop()
+            if opened in starts and (best is None or opened > best[0]):
+                best = (opened, m.start())
+    if best is not None:
+        return text[best[0] + 1 : best[1]].strip()
+    tagged = last_tagged(text)
+    return tagged.strip() if tagged is not None else text.strip()
 
 
 def _check_score(name: str, value: Any) -> float:
@@ -80,11 +108,13 @@ def _check_score(name: str, value: Any) -> float:
 
 
 class ExactMatch:
-    """`final_answer(text) == str(truth).strip()`."""
+    """`final_answer(text) == str(truth).strip()`; an answer that is not a string scores 0.0."""
 
     name = "exact-match"
 
     async def averify(self, answer: str, truth: Any, row: Mapping[str, Any] | None = None) -> VerifierResult:
+        if not isinstance(answer, str):
+            return VerifierResult(0.0)
         return VerifierResult(float(final_answer(answer) == str(truth).strip()))
 
 
@@ -92,15 +122,20 @@ class ExactMatch:
 
 
 def _math_verify_in_child(answer: str, truth: str, op_timeout_s: int) -> bool:
-    """Runs in the child process (main thread: Math-Verify's signal-based timeouts work)."""
+    """Runs in the child process (main thread: Math-Verify's signal-based timeouts work). An exception
+    while parsing the ground truth propagates (the env's data); one caused by the answer (parsing it, or
+    comparing it) is a failed check: False."""
     import logging
 
     from math_verify import parse, verify
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     gold = parse(truth, parsing_timeout=op_timeout_s)
-    pred = parse(answer, parsing_timeout=op_timeout_s)
-    return bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=op_timeout_s))
+    try:
+        pred = parse(answer, parsing_timeout=op_timeout_s)
+        return bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=op_timeout_s))
+    except Exception:  # Math-Verify (or SymPy under it) failing on the answer: the answer's doing
+        return False
 
 
 class MathVerify:
@@ -120,19 +155,34 @@ class MathVerify:
         self.timeout_s, self.op_timeout_s = float(timeout_s), int(op_timeout_s)
 
     async def averify(self, answer: str, truth: Any, row: Mapping[str, Any] | None = None) -> VerifierResult:
+        if not isinstance(answer, str):
+            return VerifierResult(0.0)
         try:
-            ok, timed_out = await call_in_child(
-                _math_verify_in_child, answer, str(truth), self.op_timeout_s, timeout_s=self.timeout_s
-            )
+            ok, timed_out = await self._call(answer, str(truth))
         except ChildProcessDied as e:
-            raise VerifierError(str(e)) from e
-        except Exception as e:  # an exception inside math-verify: a bug there, reported as one
+            # The child died on this answer (out of memory, a crash in SymPy's C code) or of something else
+            # (killed from outside). The truth checked against itself tells which: if that runs, the
+            # answer killed it, and an answer that crashes the verifier is a failed check.
+            try:
+                self_check = await self._call(str(truth), str(truth))
+            except Exception:
+                raise VerifierError(str(e)) from e
+            if self_check[1]:
+                raise VerifierError(str(e)) from e
+            return VerifierResult(0.0, failed=f"the verifier's process died on this answer: {e}")
+        except Exception as e:  # an exception parsing the ground truth: the env's data, reported as such
             raise VerifierError(f"math-verify raised {type(e).__name__}: {e}") from e
-        return VerifierResult(0.0, timed_out=True) if timed_out else VerifierResult(float(ok))
+        return VerifierResult(0.0, timed_out=True) if timed_out else VerifierResult(float(bool(ok)))
+
+    async def _call(self, answer: str, truth: str) -> tuple[Any, bool]:
+        return await call_in_child(
+            _math_verify_in_child, answer, truth, self.op_timeout_s, timeout_s=self.timeout_s
+        )
 
 
 class CustomVerifier:
-    """A user function `fn(answer, ground_truth, row) -> float | bool`, sync (in a thread) or async."""
+    """A user function `fn(answer, ground_truth, row) -> float | bool`, sync (on a thread of its own) or
+    async."""
 
     def __init__(self, name: str, fn: Callable[..., Any], timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         try:
@@ -149,11 +199,12 @@ class CustomVerifier:
 
     async def averify(self, answer: str, truth: Any, row: Mapping[str, Any] | None = None) -> VerifierResult:
         row = dict(row or {})
-        call = (
-            self.fn(answer, truth, row) if self.is_async else asyncio.to_thread(self.fn, answer, truth, row)
-        )
+        if self.is_async:
+            call = asyncio.wait_for(self.fn(answer, truth, row), self.timeout_s)
+        else:  # a thread of its own (envs/threads.py): one that hangs holds only it, never the engine's
+            call = run_in_own_thread(self.fn, answer, truth, row, timeout_s=self.timeout_s, what="verifier")
         try:
-            value = await asyncio.wait_for(call, self.timeout_s)
+            value = await call
         except TimeoutError:
             return VerifierResult(0.0, timed_out=True)
         except Exception as e:

@@ -15,6 +15,11 @@ transformers): given `cu_seq_lens_q` it runs causal SDPA per sequence, O(sum L_i
 (transformers' own fallback for packed position_ids builds a block-diagonal [T, T] mask: 16x the work at 16
 sequences of 1K tokens); without it, it is transformers' sdpa (generate, padding, KV cache). No padding, and
 a token never attends to another sequence (tested against a per-sequence loop on an independent eager model).
+The boundaries also reach packed_sdpa out of band (`_PACKING`, set by packed_hidden and restored in activation
+checkpointing's recomputation), since some decoder layers (StableLM, Nemotron) do not pass the varlen kwargs
+on; inside a packed forward packed_sdpa never attends across the row. Every load runs a probe
+(`HFPolicy.verify_packing`: packed == per-sequence on three short sequences) and refuses an architecture that
+fails it (docs/hf.md, "HF support"; tests/test_hf_architectures.py).
 Shared prefixes (rl/learner/prefix_sharing.py): with `prefix_of` (int [N], per sequence the sequence it
 continues, or -1) a continuing sequence attends to all of its prefix, then causally to itself, at positions
 after the prefix's; so a GRPO group's prompt is computed once for its G completions.
@@ -36,6 +41,8 @@ router is not recorded), sequence-chunked and context-parallel forwards, the bal
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 from dataclasses import dataclass
@@ -44,6 +51,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model.hf_linear_attention import patch_linear_attention, register_hybrid_causal_lms
 
 ODYSSEY_MODEL_TYPE = "odyssey_moe"
 
@@ -55,19 +64,73 @@ def is_odyssey_checkpoint(path: str | Path) -> bool:
 
 
 PACKED_ATTENTION = "odyssey_packed_sdpa"
+#: attention keywords that change the scores (soft-capping, sinks, a window); the per-sequence SDPA of a
+#: packed call cannot apply them, so a model that passes one is refused rather than computed without it
+_UNSUPPORTED_ATTENTION_KWARGS = ("softcap", "s_aux", "sinks", "sliding_window")
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """The sequence boundaries of the packed forward in progress (HFPolicy.packed_hidden): cu int32 [N+1],
+    prefix_of int [N] or None, total tokens T."""
+
+    cu: torch.Tensor
+    prefix_of: torch.Tensor | None
+    total: int
+
+
+#: Out-of-band copy of the boundaries, set by packed_hidden for the duration of its forward (and, under
+#: activation checkpointing, of each recomputation: `_packing_context_fn`). transformers' varlen kwargs
+#: (`cu_seq_lens_q`) only reach the attention function when every decoder layer passes `**kwargs` on, which
+#: StableLM's and Nemotron's do not; these boundaries reach it whatever the layers pass.
+_PACKING: contextvars.ContextVar[_Packing | None] = contextvars.ContextVar("odyssey_packing", default=None)
+
+
+@contextlib.contextmanager
+def _packing_scope(packing: _Packing | None):
+    """Set the packed boundaries seen by packed_sdpa for the duration of the block."""
+    token = _PACKING.set(packing)
+    try:
+        yield
+    finally:
+        _PACKING.reset(token)
+
+
+def _packing_context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch.utils.checkpoint `context_fn`: a checkpointed layer's recomputation (in the backward, after
+    packed_hidden returned) sees the boundaries of the forward that saved it."""
+    return contextlib.nullcontext(), _packing_scope(_PACKING.get())
 
 
 def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                 **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention interface of "odyssey_packed_sdpa". A packed call (HFPolicy.packed_hidden): one
-    row, query [1, H, T, D], key / value [1, H_kv, T, D], kwargs["cu_seq_lens_q"] int [N+1], no mask
-    (packed_mask gives none) -> (output [1, T, H, D], None): causal SDPA per sequence (GQA by enable_gqa).
-    Any other call (generate, padding, KV cache) is transformers' sdpa_attention_forward."""
+    """transformers attention interface of "odyssey_packed_sdpa". A packed call (inside
+    HFPolicy.packed_hidden): one row, query [1, H, T, D], key / value [1, H_kv, T, D], no mask (packed_mask
+    gives none) -> (output [1, T, H, D], None): causal SDPA per sequence (GQA by enable_gqa). The boundaries
+    are packed_hidden's (`_PACKING`), whether or not the decoder layer passed transformers' varlen kwargs on;
+    a packed call whose shape is not the packed row's is an error, never full causal attention over the row.
+    Outside packed_hidden, kwargs["cu_seq_lens_q"] (transformers' own varlen convention) is honoured, and
+    any other call (generate, padding, KV cache) is transformers' sdpa_attention_forward."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop("cu_seq_lens_q", None)
     prefix_of = kwargs.pop("odyssey_prefix_of", None)
+    odd = {k: type(kwargs[k]).__name__ for k in _UNSUPPORTED_ATTENTION_KWARGS if kwargs.get(k) is not None}
+    if odd:
+        raise ValueError(f"{PACKED_ATTENTION}: {type(module).__name__} passes {sorted(odd)} to its attention "
+                         "(soft-capping, sinks or a sliding window), which per-sequence SDPA cannot apply; "
+                         "this architecture is not supported by Odyssey's packed learner (docs/hf.md, HF "
+                         "support)")
+    packing = _PACKING.get()
+    if packing is not None:
+        if query.shape[0] != 1 or query.shape[2] != packing.total or key.shape[2] != packing.total:
+            raise ValueError(
+                f"{PACKED_ATTENTION}: {type(module).__name__} attends with query {tuple(query.shape)}, key "
+                f"{tuple(key.shape)} inside a packed forward of {packing.total} tokens; the sequence "
+                "boundaries cannot be applied to it, and attending across the row would mix sequences. This "
+                "architecture is not supported by Odyssey's packed learner (docs/hf.md, HF support)")
+        cu, prefix_of = packing.cu, packing.prefix_of
     if cu is None:  # not packed: transformers' sdpa (its mask, or causal when there is none)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -120,6 +183,11 @@ def _use_packed_attention(config) -> bool:
     ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, packed_mask)
     config._attn_implementation = PACKED_ATTENTION
     return True
+
+
+#: the load-time packing probe's tolerance on logits (fp32), and its results per architecture and config
+PACKING_PROBE_TOL = 1e-4
+_PACKING_VERIFIED: dict[tuple, float] = {}
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor,
@@ -258,6 +326,7 @@ class HFPolicy(nn.Module):
                 f"({odd or 'lm_head has a bias'}), which the learner's chunked LM head would not reproduce. "
                 "Use a model whose logits are a plain linear head"
             )
+        patch_linear_attention(hf)  # kimi_linear / glm5_next: packed KDA layers, model/hf_linear_attention.py
         self.__dict__["hf"] = hf  # not registered: its two children are, under their own names
         self.model = hf.model
         self.lm_head = hf.lm_head
@@ -266,6 +335,58 @@ class HFPolicy(nn.Module):
         self.packed_attention = _use_packed_attention(cfg)
         self.source: Path | None = None  # the checkpoint it was loaded from: its tokenizer travels with it
         self.train(hf.training)
+        self.verify_packing()
+
+    @torch.no_grad()
+    def verify_packing(self) -> float:
+        """The load-time probe, once per architecture and configuration in a process: three short sequences
+        packed into one row (the third continuing the first, where shared prefixes are available) must give
+        the logits of HF's own forward of each sequence alone. Returns the largest difference; raises a
+        ValueError naming the architecture when it exceeds PACKING_PROBE_TOL (fp32; a relative 3e-2 of the
+        logits' scale in half precision), so a model whose packed forward would leak across sequences is
+        refused before it trains."""
+        p = next(self.parameters(), None)
+        if p is None or p.device.type == "meta":
+            return 0.0
+        try:
+            described = self.config.to_json_string(use_diff=True)
+        except (TypeError, ValueError):  # a config holding something JSON cannot write: probe every load
+            described = str(id(self))
+        key = (type(self.hf).__qualname__, self.config._attn_implementation, str(p.dtype), p.device.type,
+               described)
+        if key in _PACKING_VERIFIED:
+            return _PACKING_VERIFIED[key]
+        vocab = min(int(self.lm_head.weight.shape[0]), int(getattr(self.config, "vocab_size", 0) or 1 << 30))
+        lens = [7, 5, 4]
+        ids = torch.randint(0, vocab, (sum(lens),), generator=torch.Generator().manual_seed(0)).to(p.device)
+        cu = torch.tensor([0, 7, 12, 16], dtype=torch.int32, device=p.device)
+        prefix_of = torch.tensor([-1, -1, 0], device=p.device) if self.packed_attention else None
+        solo = [ids[0:7], ids[7:12], torch.cat([ids[0:7], ids[12:]]) if prefix_of is not None else ids[12:]]
+        model_type = getattr(self.config, "model_type", "?")
+        arch = (f"{type(self.hf).__name__} (model_type {model_type!r}, attention "
+                f"{self.config._attn_implementation!r})")
+        fix = "Use an architecture listed as supported in docs/hf.md (HF support)"
+        was_training = self.training
+        self.train(False)
+        try:
+            packed = self.head_logits(self.packed_hidden(ids, cu, prefix_of)).float()
+            alone = [self.model(input_ids=x[None], use_cache=False).last_hidden_state[0] for x in solo]
+            ref = torch.cat([self.head_logits(h).float()[-n:] for h, n in zip(alone, lens)])
+        except ValueError as e:
+            raise ValueError(f"{arch}: the packed forward of Odyssey's learner fails on it ({e}). "
+                             f"{fix}") from e
+        finally:
+            self.train(was_training)
+        err = float((packed - ref).abs().max())
+        tol = PACKING_PROBE_TOL if p.dtype.itemsize >= 4 else 3e-2 * max(1.0, float(ref.abs().max()))
+        if not err <= tol:  # also NaN
+            raise ValueError(
+                f"{arch}: packed sequences do not reproduce the per-sequence forward (max |logit diff| "
+                f"{err:.3g} > {tol:.3g} on a probe of {len(lens)} sequences), so Odyssey's learner would "
+                "train it on wrong log-probs (attention leaking across packed sequences, or an attention "
+                f"variant the packed path cannot apply). {fix}")
+        _PACKING_VERIFIED[key] = err
+        return err
 
     # ---- construction and files ------------------------------------------------------------------
     @classmethod
@@ -277,6 +398,7 @@ class HFPolicy(nn.Module):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} holds no config.json: not a saved Hugging Face checkpoint; give "
                                     "a directory written by save_pretrained")
+        register_hybrid_causal_lms()  # glm5_next's causal LM class (AutoModelForCausalLM does not map it)
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
         policy = cls(hf)
         policy.source = path
@@ -299,7 +421,14 @@ class HFPolicy(nn.Module):
 
     def gradient_checkpointing_enable(self) -> None:
         """Recompute each decoder layer's activations in the backward (transformers' own checkpointing)."""
-        self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": _packing_context_fn})
+
+    def _checkpointing_keeps_packing(self) -> bool:
+        """Every checkpointed layer recomputes with the packed boundaries (`_packing_context_fn`)."""
+        fns = [m._gradient_checkpointing_func for m in self.hf.modules()
+               if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
+        return all(getattr(f, "keywords", {}).get("context_fn") is _packing_context_fn for f in fns)
 
     # ---- packed forward (learner) ---------------------------------------------------------------
     def packed_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -323,7 +452,12 @@ class HFPolicy(nn.Module):
         if prefix_of is not None:
             varlen["odyssey_prefix_of"] = prefix_of
         # else (sliding-window sdpa/eager): transformers builds a block-diagonal mask from position_ids
-        out = self.model(input_ids=input_ids[None], position_ids=pos[None], use_cache=False, **varlen)
+        if self.training and self.hf.is_gradient_checkpointing and not self._checkpointing_keeps_packing():
+            raise ValueError("activation checkpointing was enabled on the HF model directly; its "
+                             "recomputation would not see the packed sequence boundaries. Enable it with "
+                             "HFPolicy.gradient_checkpointing_enable()")
+        with _packing_scope(_Packing(cu, prefix_of, int(cu[-1])) if self.packed_attention else None):
+            out = self.model(input_ids=input_ids[None], position_ids=pos[None], use_cache=False, **varlen)
         return out.last_hidden_state[0]
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:

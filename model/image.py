@@ -4,8 +4,9 @@ Every image the policy sees goes through `prepare_image` exactly once, where it 
 prompt or a tool observation):
 
     bytes / PIL image / uint8 array [H, W, 3]
-      -> decode (PNG, JPEG, ... through Pillow) with limits: at most `max_input_pixels` pixels before
-         decoding (the header is read first, so a decompression bomb is refused unread), a known mode
+      -> decode (PNG or JPEG only, `IMAGE_FORMATS`, through Pillow) with limits: at most `max_input_pixels`
+         pixels before decoding (the header is read first, so a decompression bomb is refused unread), a
+         known mode
       -> RGB (alpha composited over white; grey and palette expanded)
       -> resized to (h·p, w·p) with (h, w) = model.vision.image_grid(H, W, p, max_pixels) (bicubic)
       -> `PreparedImage`: pixels uint8 [3, h·p, w·p], the lossless PNG of exactly those pixels, its sha256
@@ -30,6 +31,9 @@ from model.image_tokens import image_grid, image_token_count
 #: Pillow modes we decode (everything else is refused with a message naming it)
 ALLOWED_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA")
 DEFAULT_MAX_INPUT_PIXELS = 64 * 1024 * 1024  # before resizing: refuses decompression bombs unread
+#: the only formats Pillow may open: both read their size from the header and decode nothing in `open`;
+#: other plugins run programs (EPS: Ghostscript) or decode inside `open` (ICO, ICNS) before our checks
+IMAGE_FORMATS = ("PNG", "JPEG")
 
 
 class ImageError(ValueError):
@@ -55,9 +59,10 @@ def _open(data: bytes, max_input_pixels: int):  # -> PIL.Image.Image
     from PIL import Image, UnidentifiedImageError
 
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError:
-        raise ImageError("image bytes are not a format Pillow can decode (send PNG or JPEG)") from None
+        raise ImageError("image bytes are not a format Pillow can decode as PNG or JPEG (send PNG or "
+                         "JPEG)") from None
     except Exception as e:  # noqa: BLE001 - any decoder failure is a bad image, named
         raise ImageError(f"image bytes could not be read: {type(e).__name__}: {e}") from None
     w, h = img.size
@@ -108,7 +113,7 @@ def prepare_image(
 ) -> PreparedImage:
     """Decode (bytes), check, convert to RGB and resize an image to its patch grid (see the module docstring).
 
-    image: encoded bytes (PNG, JPEG, ...), a PIL image, or a uint8 array [H, W, 3] (RGB)."""
+    image: encoded bytes (PNG or JPEG), a PIL image, or a uint8 array [H, W, 3] (RGB)."""
     from PIL import Image
 
     if isinstance(image, (bytes, bytearray, memoryview)):

@@ -80,7 +80,7 @@ import re
 import secrets
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -465,15 +465,69 @@ def chat_format(tokenizer: PreTrainedTokenizerFast) -> ChatFormat:
     return ChatFormat(end_of_turn=m.group(), added=pattern, slot_exact=shipped)
 
 
-def plain_ids(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+def plain_ids(tokenizer: PreTrainedTokenizerFast, text: str, at_start: bool = True) -> list[int]:
     """Ids of `text` through the tokenizer's normaliser, pre-tokeniser and model, skipping its added-token
     matching: equal to `tokenizer.encode(text, add_special_tokens=False)` when `text` holds no added-token
-    string, and never an added token's id when it does (those strings are encoded as the bytes they are)."""
+    string, and never an added token's id when it does (those strings are encoded as the bytes they are).
+
+    at_start=False encodes `text` as a run that follows an added token inside a longer string (a chat's text
+    after "<|im_start|>", "[/INST]", "</s>"): a SentencePiece-style Metaspace pre-tokeniser with
+    prepend_scheme "first" (Llama / Mistral with legacy=False) prepends its "▁" only to the run at offset 0
+    of the whole string, so such a run gets none. Normalisers (Llama 2's legacy Prepend), Metaspace
+    "always" and byte-level add_prefix_space act on every run alike, which at_start does not change."""
     bt = tokenizer.backend_tokenizer
     if bt.normalizer is not None:
         text = bt.normalizer.normalize_str(text)
-    pieces = bt.pre_tokenizer.pre_tokenize_str(text) if bt.pre_tokenizer is not None else [(text, None)]
+    pre = bt.pre_tokenizer if at_start else _pre_tokenizer_inside(tokenizer)
+    pieces = pre.pre_tokenize_str(text) if pre is not None else [(text, None)]
     return [t.id for piece, _ in pieces for t in bt.model.tokenize(piece)]
+
+
+@functools.lru_cache(maxsize=16)
+def _pre_tokenizer_inside(tokenizer: PreTrainedTokenizerFast):
+    """The tokenizer's pre-tokeniser as it acts on a run that does not start the string: every Metaspace
+    with prepend_scheme "first" set to "never" (the same object when it has none)."""
+    from tokenizers import Tokenizer
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    changed = False
+
+    def inside(node: object) -> None:
+        nonlocal changed
+        if isinstance(node, dict):
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                node["prepend_scheme"], changed = "never", True
+            for v in node.values():
+                inside(v)
+        elif isinstance(node, list):
+            for v in node:
+                inside(v)
+
+    inside(state.get("pre_tokenizer"))
+    if not changed:
+        return tokenizer.backend_tokenizer.pre_tokenizer
+    return Tokenizer.from_str(json.dumps(state)).pre_tokenizer
+
+
+def encode_turn(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """Ids of an assistant turn's `text` as the template's own tokenization of a conversation holds them
+    between the generation prompt and the end of turn: what sampled ids must be for the rollout's identity
+    (prompt + turn + end of turn + `encode_continuation`) to equal the whole conversation's ids. Differs from
+    `tokenizer.encode(text)` wherever the tokenizer treats the start of a string specially (a Metaspace
+    "first" tokenizer prepends "▁" there, not after "[/INST]"; a prefix-space byte-level one adds a space
+    that the run "assistant\\n" + text does not get; Llama 3's template trims the text). Raises a ValueError
+    when the template's tokenization is not prefix-stable at that point (the prompt's ids are not a prefix
+    of the conversation's: e.g. a text starting with a newline that merges with the prompt's last one)."""
+    user = [{"role": "user", "content": "."}]
+    prompt = encode_chat(tokenizer, user, add_generation_prompt=True)
+    whole = encode_chat(tokenizer, [*user, {"role": "assistant", "content": text}])
+    eot = end_of_turn_id(tokenizer)
+    if whole[:len(prompt)] != prompt or eot not in whole[len(prompt):]:
+        raise ValueError(f"the chat template's tokenization of an assistant turn {text[:40]!r} does not "
+                         "extend its generation prompt's ids (not prefix-stable there); sampled ids for it "
+                         "cannot equal a re-tokenization of the conversation")
+    rest = whole[len(prompt):]
+    return rest[:rest.index(eot)]
 
 
 def encode_text(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
@@ -494,16 +548,18 @@ def encode_text(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
 
 
 def _encode_slotted(
-    tokenizer: PreTrainedTokenizerFast, text: str, texts: list[str | PreparedImage], slot_re: re.Pattern
+    tokenizer: PreTrainedTokenizerFast, text: str, texts: list[str | PreparedImage], slot_re: re.Pattern,
+    at_start: bool = True,
 ) -> ChatEncoding:
     """Encode rendered text: template pieces with their special tokens, text slots as plain text, image slots
-    as their image token block."""
+    as their image token block. at_start: `text` starts the encoded string (False for a continuation, which
+    follows an end-of-turn token; `plain_ids`)."""
     slots = list(slot_re.finditer(text))
     if [int(m.group(1)) for m in slots] != list(range(len(texts))):
         raise AssertionError("the chat template dropped or reordered message content")
     fmt = chat_format(tokenizer)
     if not fmt.slot_exact:
-        return _encode_runs(tokenizer, fmt, text, texts, slot_re)
+        return _encode_runs(tokenizer, fmt, text, texts, slot_re, at_start)
     out = ChatEncoding([])
     ids = out.ids
     pos = 0
@@ -521,16 +577,20 @@ def _encode_slotted(
 
 
 def _encode_runs(tokenizer: PreTrainedTokenizerFast, fmt: ChatFormat, text: str,
-                 texts: list[str | PreparedImage], slot_re: re.Pattern) -> ChatEncoding:
+                 texts: list[str | PreparedImage], slot_re: re.Pattern,
+                 at_start: bool = True) -> ChatEncoding:
     """`_encode_slotted` for a tokenizer that is not `slot_exact`: the template's added tokens by their ids,
-    and each run of text between them (template text and content together) by `plain_ids`."""
+    and each run of text between them (template text and content together) by `plain_ids`; only the run
+    before the first added token starts the string (when `at_start`), as in the tokenizer's own encoding."""
     ids: list[int] = []
     run: list[str] = []
+    first = [at_start]
 
     def flush() -> None:
         if run:
-            ids.extend(plain_ids(tokenizer, "".join(run)))
+            ids.extend(plain_ids(tokenizer, "".join(run), at_start=first[0]))
             run.clear()
+        first[0] = False
 
     pos = 0
     for m in [*slot_re.finditer(text), None]:
@@ -552,6 +612,33 @@ def _encode_runs(tokenizer: PreTrainedTokenizerFast, fmt: ChatFormat, text: str,
         pos = m.end()
     flush()
     return ChatEncoding(ids)
+
+
+def _as_rendered(marked: str, texts: list[str | PreparedImage], slot_re: re.Pattern,
+                 render: Callable[[], str | None]) -> list[str | PreparedImage]:
+    """The contents of `texts` as the template writes them: a template that trims content (Llama 3's
+    `content | trim`) trims the slot marker, not the content, so each slot's text is read back from the real
+    rendering (`render()`), matched against the marked one. Only trimming is accepted; a template that
+    changes content otherwise is refused by name (its ids could not be the template's own)."""
+    if not all(isinstance(t, str) for t in texts):
+        return texts  # images: only Odyssey's tokenizer reads them (refused by _encode_runs)
+    if slot_re.sub(lambda m: texts[int(m.group(1))], marked) == (real := render()):
+        return texts
+    pieces = slot_re.split(marked)  # literal, slot index, literal, ..., literal
+    pattern = "".join(re.escape(x) if j % 2 == 0 else "(.*?)" for j, x in enumerate(pieces))
+    m = re.fullmatch(pattern, real or "", re.DOTALL)
+    out = list(texts)
+    for got, idx in zip(m.groups() if m else (), pieces[1::2]):
+        content = texts[int(idx)]
+        if got not in (content, content.strip(), content.lstrip(), content.rstrip()):
+            m = None
+            break
+        out[int(idx)] = got
+    if m is None:
+        raise ValueError("the chat template changes message content beyond trimming whitespace, so Odyssey "
+                         "cannot encode its content as text (content must never become an added token); "
+                         "use a template that renders each message's content as it is (or trimmed)")
+    return out
 
 
 def encode_chat(
@@ -576,6 +663,9 @@ def encode_chat_images(
     _check_messages(messages)
     slotted, texts, slot_re = _slotted(messages)
     text = render_chat(tokenizer, slotted, tools, add_generation_prompt)
+    if not chat_format(tokenizer).slot_exact:
+        texts = _as_rendered(text, texts, slot_re,
+                             lambda: render_chat(tokenizer, messages, tools, add_generation_prompt))
     return _encode_slotted(tokenizer, text, texts, slot_re)
 
 
@@ -607,7 +697,11 @@ def encode_continuation_images(
     if after is None or not after.startswith(eot):
         raise AssertionError(f"the chat template does not close an assistant turn with {eot} when messages "
                              "follow it; encode_continuation cannot be exact")
-    return _encode_slotted(tokenizer, after[len(eot):], texts, slot_re)
+    if not chat_format(tokenizer).slot_exact:
+        real = list(new_messages)
+        texts = _as_rendered(after, texts, slot_re,
+                             lambda: _after_assistant_turn(tokenizer, real, add_generation_prompt))
+    return _encode_slotted(tokenizer, after[len(eot):], texts, slot_re, at_start=False)
 
 
 def image_token_ids_of(tokenizer: PreTrainedTokenizerFast) -> list[int]:

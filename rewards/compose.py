@@ -25,8 +25,11 @@ and TRL's batched `fn(prompts, completions, completion_ids, **dataset_columns) -
 (rewards/trl_form.py), called once per batch. Either may be `async def`: `acompose` / `acompose_batch`
 await every async function concurrently (one task per trajectory for the per-trajectory form), each
 call limited by the spec's `timeout_s` (default `DEFAULT_TIMEOUT_S`); a call past it is a reward
-error, never a 0. Sync functions run inline. `compose` / `compose_batch` are the same for callers
-without a running event loop (with async specs they run one with asyncio.run).
+error, never a 0. Plain-def functions run, one thread per spec and batch, on a thread of their own
+(envs/threads.py) with the same limit, so a slow or hung reward never holds the rollout worker's event
+loop (its engine and every other episode). `compose` / `compose_batch` are the same for callers without a
+running event loop (plain-def functions then run inline, unlimited; with async specs they run a loop with
+asyncio.run).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
 
+from envs.threads import HungThreadsError, OwnThreadTimeout, run_in_own_thread
 from envs.trajectory import Trajectory
 from rewards import trl_form
 from rewards.base import PARAM_CHECK_ATTR, normalize_result
@@ -54,14 +58,14 @@ log = logging.getLogger(__name__)
 
 SPEC_KEYS = ("name", "weight", "params", "key", "timeout_s")
 RESERVED_KEYS = ("total",)
-DEFAULT_TIMEOUT_S = 60.0  # an async reward's call limit when its spec sets no timeout_s
+DEFAULT_TIMEOUT_S = 60.0  # a reward's call limit in acompose when its spec sets no timeout_s
 
 
 @dataclass(frozen=True)
 class RewardSpec:
     """One validated entry of the reward list. `key` names its entry in traj.rewards. form: "trajectory"
     (fn(traj, **params)) or "trl" (batched, rewards/trl_form.py); is_async: `async def`; timeout_s: the
-    limit of one call of an async function (None for sync ones)."""
+    limit of one call in `acompose` (async: each call; plain def: the spec's calls on one batch)."""
 
     name: str
     weight: float
@@ -214,12 +218,6 @@ def parse_reward_spec(spec: Any, index: int = 0) -> RewardSpec:
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
             raise ValueError(f"{where}: timeout_s must be a positive number of seconds, got {timeout!r}")
-        if not is_async:
-            raise ValueError(
-                f"{where}: timeout_s applies to async reward functions only ({name} is a plain def, which "
-                "runs inline and cannot be cut off); make it `async def` (e.g. `return await "
-                "asyncio.to_thread(slow_check, ...)`) or remove timeout_s"
-            )
     return RewardSpec(
         name=name,
         weight=float(weight),
@@ -228,7 +226,7 @@ def parse_reward_spec(spec: Any, index: int = 0) -> RewardSpec:
         fn=fn,
         form="trl" if trl_form.is_trl_form(fn) else "trajectory",
         is_async=is_async,
-        timeout_s=(float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S) if is_async else None,
+        timeout_s=float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S,
     )
 
 
@@ -348,6 +346,18 @@ async def _await_limited(spec: RewardSpec, make_call: Callable[[], Any]) -> tupl
         return None, _raised(spec, e)
 
 
+async def _score_sync_limited(spec: RewardSpec, trajs: Sequence[Trajectory]) -> list[_Outcome]:
+    """A plain-def reward on a thread of its own, limited by `spec.timeout_s`: past it the batch's outcomes
+    are reward errors and the thread is abandoned (Python cannot kill it; envs/threads.py counts it)."""
+    try:
+        return await run_in_own_thread(_score_sync, spec, trajs, timeout_s=spec.timeout_s,
+                                       what=f"reward {spec.key}")  # fmt: skip
+    except OwnThreadTimeout:
+        return [_fail(spec, f"timed out after {spec.timeout_s:g} s (timeout_s); not scored")] * len(trajs)
+    except HungThreadsError as e:
+        return [_fail(spec, f"not run: {e}")] * len(trajs)
+
+
 async def _score_async(spec: RewardSpec, trajs: Sequence[Trajectory]) -> list[_Outcome]:
     """An async reward: TRL form, one awaited call for the batch; per trajectory, one task each."""
     if spec.form == "trl":
@@ -411,12 +421,9 @@ async def acompose_batch(trajs: Sequence[Trajectory], specs: Sequence[RewardSpec
     specs = _checked(specs)
     todo = _prepare(trajs)
     if todo:
-        by_spec: list[list[_Outcome] | None] = [
-            None if s.is_async else _score_sync(s, todo) for s in specs
-        ]
-        waiting = [i for i, s in enumerate(specs) if s.is_async]
-        for i, res in zip(waiting, await asyncio.gather(*(_score_async(specs[i], todo) for i in waiting))):
-            by_spec[i] = res
+        by_spec = await asyncio.gather(
+            *(_score_async(s, todo) if s.is_async else _score_sync_limited(s, todo) for s in specs)
+        )
         for j, traj in enumerate(todo):
             _finish(traj, specs, [res[j] for res in by_spec])
     return list(trajs)

@@ -2,7 +2,8 @@
 
 Hardening (not optional; see docs/sandbox.md for the security model and the threat model):
     network_mode="none"                       no network interfaces but loopback
-    read_only=True + tmpfs /work, /tmp         root filesystem immutable; writable space size-limited, nosuid
+    read_only=True + tmpfs /work, /tmp,        root filesystem immutable; writable space size- and inode-
+      /dev/shm                                 limited (SandboxLimits' memory arithmetic), nosuid
     user: commands 1000:1000 (`agent`),        non-root; the keep-alive (pid 1 docker-init + sleep) and the
           keep-alive and supervisor root       exec supervisor run as root: the agent can neither signal,
                                                ptrace nor open the descriptors of either
@@ -20,7 +21,9 @@ command's process tree) that starts the command as the agent, relays stdin/stdou
 pipes, and reports the exit status the keeper observed with waitpid. Nothing the agent runs can write to
 that stream or learn anything secret (there is none), so exit codes and output boundaries cannot be forged.
 Output beyond `limits.output_bytes` per stream is counted and discarded (`truncated`); on timeout the whole
-tree, including `setsid` escapees, is SIGKILLed; a host-side deadline (timeout + 2 s) backs it up.
+tree, including `setsid`, double-fork and ptrace-stopped escapees, is SIGKILLed; a host-side deadline
+(timeout + 2 s) backs it up. `read_file`/`write_file` are `file` requests the supervisor carries out itself,
+refusing FIFOs, sockets and directories without blocking.
 `oom_killed` comes from the container's memory cgroup `oom_kill` counter.
 """
 
@@ -46,6 +49,7 @@ from sandbox.image import AGENT_UID, DEFAULT_IMAGE, WORKDIR
 from sandbox.oom_counter import OomCounter
 from sandbox.reaper import process_start_ticks
 
+FILE_TIMEOUT_S = 30.0  # default time limit of read_file / write_file (special files fail at once)
 HOST_GRACE_S = 2.0  # host-side deadline = timeout_s + this; the supervisor's own timeout normally fires first
 KEEPER_USER = "0:0"  # root runs the keep-alive (docker-init + sleep) and the exec supervisor, never the agent
 #: the container's only capabilities, held by the supervisor alone: to start each command as the agent with an
@@ -78,11 +82,26 @@ def _parse_bytes(size: int | str, name: str = "size") -> int:
         ) from err
 
 
-#: inodes per tmpfs (/work, /tmp): bounds the kernel memory of many tiny files, which outlives their writer
-TMPFS_INODES = 65536
-#: memory left for processes (the exec supervisor and the agent's commands) when every tmpfs and every SysV
-#: shared-memory segment is full: the agent cannot fill the sandbox with memory the OOM killer cannot free
+#: memory left for processes (the exec supervisor and the agent's commands) when every tmpfs, every inode and
+#: every System V shared-memory segment is full: the agent cannot fill the sandbox with memory the OOM killer
+#: cannot free
 PROCESS_RESERVE = 32 << 20
+#: kernel memory one tmpfs inode slot can pin at most, measured (see `SandboxLimits`): ~1.5 KiB for an empty
+#: file with a 255-byte name, ~2.1 KiB for the xattrs one slot of "inode space" can hold; 2.5 KiB with margin
+INODE_BYTES = 2560
+#: default inode cap of a tmpfs: one inode per this many bytes of its size
+BYTES_PER_INODE = 16 << 10
+#: the smallest inode cap a tmpfs may have (a handful of files and directories)
+MIN_INODES = 16
+#: the other kernel objects that outlive their creator, bounded by `ipc_sysctls`: 8 POSIX queues of at most
+#: 10 x 8 KiB, 8 System V queues of 16 KiB, 1000 semaphores (well under 1 MiB in all)
+IPC_MISC_BYTES = 1 << 20
+#: the writable tmpfs mounts: mount point -> (size field, inode cap field) of SandboxLimits
+TMPFS_MOUNTS = {
+    WORKDIR: ("work_size", "work_inodes"),
+    "/tmp": ("tmp_size", "tmp_inodes"),
+    "/dev/shm": ("shm_size", "shm_inodes"),
+}
 
 
 def ipc_sysctls(limits: SandboxLimits) -> dict[str, str]:
@@ -107,20 +126,46 @@ def ipc_sysctls(limits: SandboxLimits) -> dict[str, str]:
 class SandboxLimits:
     """Resource limits of one sandbox. Sizes accept ints (bytes) or strings like "512m".
 
-    Memory the OOM killer cannot free (files in the /work, /tmp and /dev/shm tmpfs, System V shared memory,
-    bounded by shm_size) must leave `PROCESS_RESERVE` of `memory` to processes: checked here.
+    Memory the OOM killer cannot free, because it outlives every process of the agent, must leave
+    `PROCESS_RESERVE` (32 MiB) of `memory` to processes, so that whatever the agent leaves behind, the exec
+    supervisor and a normal command still run. Checked here, with this arithmetic (`pinned_bytes`):
+
+        data      work_size + tmp_size + shm_size     the tmpfs pages of /work, /tmp and /dev/shm
+      + SysV      shm_size                            System V shared memory (kernel.shmall)
+      + inodes    (work_inodes + tmp_inodes + shm_inodes) x INODE_BYTES
+      + IPC       IPC_MISC_BYTES (1 MiB)              POSIX and System V queues, semaphores
+      + PROCESS_RESERVE                              <= memory
+
+    Inode memory is kernel memory (inode, dentry, name, xattrs) charged to the sandbox's memory cgroup but
+    not to any tmpfs `size`, so each tmpfs also gets `nr_inodes`: `*_inodes`, by default one inode per 16 KiB
+    of its size (`BYTES_PER_INODE`). Measured on Linux 6.18 (cgroup v1, memory.usage_in_bytes, 50,000
+    items): an empty file costs 0.96 KiB with a short name, 1.2 KiB with a 200-byte name, 1.48 KiB with a
+    255-byte name; a directory 1.2 KiB. tmpfs also charges user xattrs to an "inode space" of 1 KiB per
+    inode of `nr_inodes` (each inode takes 1 KiB of it), and xattrs of 1000-byte values pin 2.1 KiB of
+    memory per KiB of that space (kmalloc rounds 1040 bytes up to 2048). So one inode slot pins at most
+    ~2.1 KiB; `INODE_BYTES` counts 2.5 KiB. Hard links take an inode slot each. /dev/mqueue holds at most 8
+    queues; the root filesystem, /dev and the files Docker binds into /etc are read-only to the agent.
+
+    Defaults (512m): 256 + 64 + 16 (data) + 16 (SysV) + (16384 + 4096 + 1024) x 2.5 KiB = 52.5 (inodes)
+    + 1 (IPC) + 32 (reserve) = 437.5 MiB <= 512 MiB. The test limits (256m, /work 64m, /tmp 16m):
+    64 + 16 + 16 + 16 + (4096 + 1024 + 1024) x 2.5 KiB = 15 + 1 + 32 = 160 MiB <= 256 MiB. Before the
+    caps, 65,536 inodes per tmpfs (and an unbounded /dev/shm) could pin ~95 MiB each beyond the sizes,
+    enough to OOM-kill every later command at 256m and at 512m.
     """
 
-    memory: int | str = "512m"  # RAM incl. tmpfs pages; swap disabled (memswap_limit == mem_limit)
+    memory: int | str = "512m"  # RAM incl. tmpfs pages and inodes; swap disabled (memswap_limit == mem_limit)
     cpus: float = 1.0  # CPU quota (nano_cpus)
     pids: int = 256  # max processes/threads
     work_size: int | str = "256m"  # writable /work tmpfs
     tmp_size: int | str = "64m"  # writable /tmp tmpfs
-    shm_size: int | str = "16m"  # /dev/shm
+    shm_size: int | str = "16m"  # /dev/shm tmpfs, and System V shared memory in all
     fsize: int | str = "128m"  # RLIMIT_FSIZE: largest file a process may write
     nofile: int = 1024  # RLIMIT_NOFILE
     output_bytes: int = 1 << 20  # per-stream cap on captured stdout / stderr
     ttl_s: float = 6 * 3600  # the reaper removes the container after this even if its owner lives
+    work_inodes: int | None = None  # files + directories + links in /work; None: work_size / 16 KiB
+    tmp_inodes: int | None = None  # in /tmp; None: tmp_size / 16 KiB
+    shm_inodes: int | None = None  # in /dev/shm; None: shm_size / 16 KiB
 
     def __post_init__(self) -> None:
         for name in ("memory", "work_size", "tmp_size", "shm_size", "fsize"):
@@ -128,20 +173,44 @@ class SandboxLimits:
                 raise ValueError(
                     f"SandboxLimits.{name} must be a positive size like '256m', got {getattr(self, name)!r}"
                 )
-        pinned = sum(_parse_bytes(getattr(self, n)) for n in ("work_size", "tmp_size")) + 2 * _parse_bytes(
-            self.shm_size
-        )
+        for _size, field_name in TMPFS_MOUNTS.values():
+            n = getattr(self, field_name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < MIN_INODES):
+                raise ValueError(
+                    f"SandboxLimits.{field_name} must be an int >= {MIN_INODES} (files, directories and "
+                    f"links in that mount) or None for one per {BYTES_PER_INODE >> 10} KiB of its size; "
+                    f"got {n!r}"
+                )
+        pinned = self.pinned_bytes()
         if pinned + PROCESS_RESERVE > _parse_bytes(self.memory):
+            inodes = sum(self.inode_caps().values())
             raise ValueError(
-                f"SandboxLimits: work_size + tmp_size + 2 x shm_size (/dev/shm and System V shared memory) = "
+                f"SandboxLimits: work_size + tmp_size + 2 x shm_size (/dev/shm and System V shared memory) + "
+                f"{inodes} inodes x {INODE_BYTES} bytes + {IPC_MISC_BYTES >> 20} MiB of IPC = "
                 f"{pinned >> 20} MiB, which leaves less than {PROCESS_RESERVE >> 20} MiB of memory "
-                f"({self.memory!r}) to processes once the agent fills them; raise memory or lower those sizes"
+                f"({self.memory!r}) to processes once the agent fills them; raise memory or lower those "
+                "sizes (or the *_inodes caps)"
             )
         if self.cpus <= 0 or self.pids < 16 or self.nofile < 64 or self.output_bytes < 1 or self.ttl_s <= 0:
             raise ValueError(
                 f"invalid SandboxLimits {self}: need cpus > 0, pids >= 16, nofile >= 64, output_bytes >= 1, "
                 "ttl_s > 0"
             )
+
+    def inode_caps(self) -> dict[str, int]:
+        """The `nr_inodes` of each writable tmpfs: {"/work": n, "/tmp": n, "/dev/shm": n}."""
+        caps = {}
+        for mount, (size, field_name) in TMPFS_MOUNTS.items():
+            n = getattr(self, field_name)
+            caps[mount] = n if n is not None else max(_parse_bytes(getattr(self, size)) // BYTES_PER_INODE,
+                                                      MIN_INODES)  # fmt: skip
+        return caps
+
+    def pinned_bytes(self) -> int:
+        """The most memory the agent can leave behind beyond the OOM killer's reach (see the class doc)."""
+        data = sum(_parse_bytes(getattr(self, size)) for size, _n in TMPFS_MOUNTS.values())
+        inodes = sum(self.inode_caps().values()) * INODE_BYTES
+        return data + _parse_bytes(self.shm_size) + inodes + IPC_MISC_BYTES
 
 
 @dataclass
@@ -218,7 +287,7 @@ class Sandbox:
         client = docker_client()
         self._api = client.api
         self.name = name or f"odyssey-sbx-{os.getpid()}-{secrets.token_hex(4)}"
-        tmpfs_opts = f"rw,exec,nosuid,nodev,nr_inodes={TMPFS_INODES}"
+        inodes = lim.inode_caps()
         try:
             self._cid: str = self._api.create_container(
                 image,
@@ -232,12 +301,15 @@ class Sandbox:
                     init=True,
                     network_mode="none",
                     read_only=True,
-                    tmpfs={
-                        WORKDIR: f"{tmpfs_opts},size={_parse_bytes(lim.work_size)},mode=0755,"
-                        f"uid={AGENT_UID},gid={AGENT_UID}",
-                        "/tmp": f"{tmpfs_opts},size={_parse_bytes(lim.tmp_size)},mode=1777",
+                    tmpfs={  # every writable mount: a size and an inode cap (SandboxLimits' arithmetic)
+                        WORKDIR: f"rw,exec,nosuid,nodev,nr_inodes={inodes[WORKDIR]},"
+                        f"size={_parse_bytes(lim.work_size)},mode=0755,uid={AGENT_UID},gid={AGENT_UID}",
+                        "/tmp": f"rw,exec,nosuid,nodev,nr_inodes={inodes['/tmp']},"
+                        f"size={_parse_bytes(lim.tmp_size)},mode=1777",
+                        # replaces Docker's own /dev/shm mount (shm_size), which has no inode cap
+                        "/dev/shm": f"rw,noexec,nosuid,nodev,nr_inodes={inodes['/dev/shm']},"
+                        f"size={_parse_bytes(lim.shm_size)},mode=1777",
                     },
-                    shm_size=_parse_bytes(lim.shm_size),
                     ipc_mode="private",  # its own IPC namespace, so the sysctls below are the sandbox's own
                     sysctls=ipc_sysctls(lim),
                     cap_drop=["ALL"],
@@ -352,6 +424,7 @@ class Sandbox:
         cwd: str | None,
         cap: int,
         stop_at_cap: bool = False,
+        file: dict | None = None,
     ) -> tuple[bytes, bytes, ExecResult]:
         self._ensure_open()
         if not (timeout_s > 0):
@@ -364,7 +437,7 @@ class Sandbox:
             raise ValueError(f"cmd must be a non-empty str or list of str, got {cmd!r}")
         request = encode_request(
             argv, env or {}, cwd or WORKDIR, timeout_s, cap, stdin,
-            uid=AGENT_UID, gid=AGENT_UID, stop_at_cap=stop_at_cap,
+            uid=AGENT_UID, gid=AGENT_UID, stop_at_cap=stop_at_cap, file=file,
         )  # fmt: skip
         t0 = time.monotonic()
         deadline = t0 + timeout_s + HOST_GRACE_S
@@ -481,32 +554,44 @@ class Sandbox:
                 pass
 
     # ---- files ---------------------------------------------------------------------------------------
-    def write_file(self, path: str, data: bytes, mode: int | None = None) -> None:
-        """Write `data` (any bytes) to `path` (relative paths are under /work), creating parent dirs.
+    def write_file(
+        self, path: str, data: bytes, mode: int | None = None, *, timeout_s: float = FILE_TIMEOUT_S
+    ) -> None:
+        """Write `data` (any bytes) to `path` (relative paths are under /work), creating parent dirs; then
+        chmod it to `mode` if given.
 
-        Raises PermissionError (read-only location), OSError (e.g. /work full) — tool-level failures.
+        Only regular files are written: a FIFO, socket, device or directory at `path` raises OSError naming
+        it at once (the supervisor opens the path without blocking and checks what it opened). Raises
+        PermissionError (read-only location), FileNotFoundError, OSError (e.g. /work full, a file over
+        `limits.fsize`) and TimeoutError (after `timeout_s`) — tool-level failures.
         """
         if not isinstance(data, bytes | bytearray | memoryview):
             raise TypeError(f"write_file needs bytes, got {type(data).__name__}; encode text first")
-        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"' + (
-            f' && chmod {mode:o} -- "$1"' if mode is not None else ""
-        )
+        if mode is not None and (type(mode) is not int or not 0 <= mode <= 0o7777):
+            raise ValueError(f"write_file mode must be an int permission like 0o644, got {mode!r}")
         _, err, res = self._exec_bytes(
-            ["bash", "-c", script, "write_file", path], 60, bytes(data), env=None, cwd=None, cap=1 << 16
-        )
-        if res.exit_code != 0:
-            raise _file_error("write_file", path, err, res)
+            ["write_file", path], timeout_s, bytes(data), env=None, cwd=None, cap=1 << 16,
+            file={"op": "write", "path": path, "mode": mode},
+        )  # fmt: skip
+        if res.exit_code != 0 or res.timed_out:
+            raise _file_error("write_file", path, err, res, timeout_s)
 
-    def read_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
-        """Return the bytes of `path`. A file larger than `max_bytes` raises OSError as soon as the limit
-        is passed (an endless file such as a symlink to /dev/zero fails fast, it is not read to the end)."""
+    def read_file(self, path: str, max_bytes: int = 64 << 20, *, timeout_s: float = FILE_TIMEOUT_S) -> bytes:
+        """Return the bytes of the regular file `path` (relative paths are under /work).
+
+        A file larger than `max_bytes` raises OSError as soon as the limit is passed (an endless device such
+        as a symlink to /dev/zero fails fast; devices are read without blocking, so a terminal with nothing
+        to read fails at once). A FIFO, socket or directory raises OSError naming it at once, never blocks;
+        a read that takes longer than `timeout_s` raises TimeoutError. FileNotFoundError / PermissionError
+        as usual."""
         out, err, res = self._exec_bytes(
-            ["cat", "--", path], 60, None, env=None, cwd=None, cap=max_bytes, stop_at_cap=True
-        )
+            ["read_file", path], timeout_s, None, env=None, cwd=None, cap=max_bytes, stop_at_cap=True,
+            file={"op": "read", "path": path},
+        )  # fmt: skip
         if res.truncated:
             raise OSError(f"read_file({path!r}): file larger than {max_bytes} bytes")
-        if res.exit_code != 0:
-            raise _file_error("read_file", path, err, res)
+        if res.exit_code != 0 or res.timed_out:
+            raise _file_error("read_file", path, err, res, timeout_s)
         return out
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -552,11 +637,15 @@ class Sandbox:
     ) -> ExecResult:
         return await _in_thread(lambda: self.exec(cmd, timeout_s, stdin, env=env, cwd=cwd))
 
-    async def awrite_file(self, path: str, data: bytes, mode: int | None = None) -> None:
-        await _in_thread(lambda: self.write_file(path, data, mode))
+    async def awrite_file(
+        self, path: str, data: bytes, mode: int | None = None, *, timeout_s: float = FILE_TIMEOUT_S
+    ) -> None:
+        await _in_thread(lambda: self.write_file(path, data, mode, timeout_s=timeout_s))
 
-    async def aread_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
-        return await _in_thread(lambda: self.read_file(path, max_bytes))
+    async def aread_file(
+        self, path: str, max_bytes: int = 64 << 20, *, timeout_s: float = FILE_TIMEOUT_S
+    ) -> bytes:
+        return await _in_thread(lambda: self.read_file(path, max_bytes, timeout_s=timeout_s))
 
     async def aclose(self) -> None:
         await _in_thread(self.close)
@@ -573,7 +662,11 @@ def _close_channel_future(fut) -> None:
         fut.result().close()
 
 
-def _file_error(op: str, path: str, err: bytes, res: ExecResult) -> OSError:
+def _file_error(op: str, path: str, err: bytes, res: ExecResult, timeout_s: float) -> OSError:
+    if res.timed_out:
+        return TimeoutError(
+            f"{op}({path!r}) timed out after {timeout_s:g} s; pass a larger timeout_s if the file is that big"
+        )
     text = err.decode(errors="replace").strip()
     msg = f"{op}({path!r}) failed (exit {res.exit_code}): {text or 'no message'}"
     if "No such file" in text:

@@ -128,20 +128,29 @@ def encode_request(
     uid: int,
     gid: int,
     stop_at_cap: bool = False,
+    file: dict | None = None,
 ) -> bytes:
-    """The R frame of one command, followed by its stdin. ValueError for text the kernel cannot take."""
+    """The R frame of one command, followed by its stdin. ValueError for text the kernel cannot take.
+
+    file: {"op": "read", "path"} or {"op": "write", "path", "mode"}: the supervisor copies a regular file
+    instead of running argv (see exec_helper.py), refusing FIFOs, sockets, devices and directories at once."""
     for key in env:
         if not key or "=" in key:
             raise ValueError(f"invalid environment variable name {key!r}")
-    fields = [*argv, cwd, *env, *env.values()]
+    if file is not None and (
+        file.get("op") not in ("read", "write")
+        or not isinstance(file.get("path"), str)
+    ):
+        raise ValueError(f"file must be {{'op': 'read' or 'write', 'path': str}}, got {file!r}")
+    fields = [*argv, cwd, *env, *env.values(), *([file["path"]] if file else [])]
     for f in fields:
         if "\0" in f:
-            raise ValueError(f"command, env and cwd must not contain NUL bytes: {f[:80]!r}")
+            raise ValueError(f"command, env, cwd and path must not contain NUL bytes: {f[:80]!r}")
         try:
             f.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError(
-                f"command, env and cwd must be valid Unicode text (no lone surrogates): {f[:80]!r}"
+                f"command, env, cwd and path must be valid Unicode text (no lone surrogates): {f[:80]!r}"
             ) from None
     header = {
         "argv": argv,
@@ -154,6 +163,8 @@ def encode_request(
         "uid": int(uid),
         "gid": int(gid),
     }
+    if file is not None:
+        header["file"] = file
     body = json.dumps(header).encode()
     return _FRAME.pack(b"R", len(body)) + body + (stdin or b"")
 

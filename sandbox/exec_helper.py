@@ -10,8 +10,16 @@ There is no secret: the stream is the authority.
 
 Per command (host -> supervisor):
 
-    b"R" + u32 length + JSON {argv, env, cwd, timeout_s, cap, stdin_len, stop_at_cap, uid, gid}
+    b"R" + u32 length + JSON {argv, env, cwd, timeout_s, cap, stdin_len, stop_at_cap, uid, gid[, file]}
     then exactly `stdin_len` bytes, the command's stdin (stdin_len < 0: stdin is /dev/null)
+
+    file (optional): {"op": "read", "path"} or {"op": "write", "path", "mode"}: instead of exec'ing argv, the
+    forked command process (already the agent, in cwd) copies the regular file `path` to its stdout, or its
+    stdin to `path` (parent directories created, then chmod `mode` unless null). It opens the path with
+    O_NONBLOCK and checks fstat on that very descriptor, so a FIFO, socket, device or directory is refused at
+    once (exit 1, the reason on stderr) and a path swapped between a check and the open cannot block it.
+    Reads accept character devices, read without blocking: /dev/zero runs into the byte cap, a terminal
+    with nothing to read fails at once.
 
 Frames (supervisor -> host), each `type (1 byte) + u32 big-endian length + payload`:
 
@@ -29,11 +37,14 @@ Process tree of one command:
               no capabilities, fds 0-2 only)           while the command runs
 
 The command's exit is observed by the keeper (waitpid), not announced by anything the command writes, so
-its exit code cannot be forged. Its stdout/stderr are fresh pipes: output written after the command exited
-(by background processes) is not read. On timeout (or `stop_at_cap` overflow) every process in the keeper's
-tree is SIGKILLed with the supervisor's effective uid switched to the agent's, so a kill can never reach the
-supervisor or the container's keep-alive, and needs no fork (a full process table cannot stop it). The
-command runs at nice +10, so a CPU hog cannot starve the supervisor that enforces its timeout.
+its exit code cannot be forged. A ptrace stop is not an exit: a process that makes the keeper its tracer
+(PTRACE_TRACEME) and stops is detached at once with its signal, so it stays in the tree, stopped or
+running, until it exits or the timeout kills it. Its stdout/stderr are fresh pipes: output written after
+the command exited (by background processes) is not read. On timeout (or `stop_at_cap` overflow) every
+process in the keeper's tree is SIGKILLed with the supervisor's effective uid switched to the agent's, so a
+kill can never reach the supervisor or the container's keep-alive, and needs no fork (a full process table
+cannot stop it). The command runs at nice +10, so a CPU hog cannot starve the supervisor that enforces its
+timeout.
 
 Stdlib only; must run on the sandbox image's Python (Debian bookworm: 3.11).
 """
@@ -43,6 +54,7 @@ import json
 import os
 import select
 import signal
+import stat
 import struct
 import sys
 import time
@@ -58,6 +70,12 @@ _HDR = struct.Struct(">cI")
 _CHUNK = 1 << 16
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_CAPBSET_DROP = 24
+_PTRACE_DETACH = 17
+try:
+    _ptrace = ctypes.CDLL(None, use_errno=True).ptrace
+    _ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+except Exception:  # no ctypes: a traced process then stays stopped until the timeout kills it
+    _ptrace = None
 _OOM_FILES = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
 _E2BIG_HELP = (
     "the command line and environment are too long for the kernel (E2BIG: at most 128 KiB per argument "
@@ -164,8 +182,91 @@ def kill_tree(root, uid):
             os.setresuid(-1, 0, -1)
 
 
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
+def _kind(st_mode):
+    for test, name in _FILE_KINDS:
+        if test(st_mode):
+            return name
+    return "not a regular file"
+
+
+def _open_regular(path, flags, mode=0o666, char_devices=False):
+    """Open `path` without blocking (O_NONBLOCK: a FIFO without a peer, a lease) and return the descriptor
+    only if fstat on it says regular file (in blocking mode again), or, with `char_devices`, a character
+    device (left non-blocking: /dev/zero reads until the caller's cap, a terminal with nothing to read
+    fails at once); OSError naming what it is otherwise."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno == errno.ENXIO:  # a socket, or a FIFO without a reader opened for writing
+            try:
+                what = _kind(os.stat(path).st_mode)
+            except OSError:
+                raise err from None
+            raise OSError(errno.ENXIO, f"is {what}, not a regular file") from None
+        raise
+    st_mode = os.fstat(fd).st_mode
+    if char_devices and stat.S_ISCHR(st_mode):
+        return fd
+    if not stat.S_ISREG(st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"is {_kind(st_mode)}, not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _file_op(op):
+    """In the forked command process, as the agent: copy a regular file (or a character device such as a
+    symlink to /dev/zero, read without blocking until the supervisor's byte cap) to stdout ("read"), or
+    stdin to a regular file ("write"). Returns the exit code: 0, or 1 with the reason on stderr."""
+    path = op["path"]
+    try:
+        if op["op"] == "read":
+            fd = _open_regular(path, os.O_RDONLY, char_devices=True)
+            while True:
+                try:
+                    chunk = os.read(fd, _CHUNK)
+                except BlockingIOError:
+                    why = "is a character device with nothing to read now (a terminal?), not a regular file"
+                    raise OSError(errno.EAGAIN, why) from None
+                if not chunk:
+                    return 0
+                _write_all(1, chunk)
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        fd = _open_regular(path, os.O_WRONLY | os.O_CREAT)
+        os.ftruncate(fd, 0)
+        while True:
+            chunk = os.read(0, 1 << 20)
+            if not chunk:
+                break
+            _write_all(fd, chunk)
+        if op.get("mode") is not None:
+            os.fchmod(fd, int(op["mode"]))
+        return 0
+    except OSError as err:
+        where = f" {err.filename!r}" if err.filename and err.filename != path else ""
+        hint = (
+            "; read_file/write_file handle regular files only: use exec for pipes and devices"
+            if "not a regular file" in str(err.strerror)
+            else ""
+        )
+        os.write(2, f"odyssey: {path!r}{where}: {err.strerror}{hint}\n".encode())
+        return 1
+
+
 def _exec_command(req, stdin_r, out_w, err_w):
-    """In the forked command process: new session, fds 0-2 only, become the agent, nice +10, exec."""
+    """In the forked command process: new session, fds 0-2 only, become the agent, nice +10, exec (or,
+    for a file request, copy the file and exit)."""
     try:
         os.setsid()
         os.dup2(stdin_r, 0)
@@ -181,6 +282,7 @@ def _exec_command(req, stdin_r, out_w, err_w):
         _drop_privileges(req["uid"], req["gid"])
         os.setpriority(os.PRIO_PROCESS, 0, 10)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; a command over fsize gets it
         env = dict(os.environ)
         env.update(req["env"])
         argv = req["argv"]
@@ -189,6 +291,9 @@ def _exec_command(req, stdin_r, out_w, err_w):
         except OSError as err:
             os.write(2, f"odyssey: cannot change to directory {req['cwd']!r}: {err.strerror}\n".encode())
             os._exit(126)
+        if req.get("file"):
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past fsize: EFBIG, reported as "File too large"
+            os._exit(_file_op(req["file"]))
         try:
             os.execvpe(argv[0], argv, env)
         except OSError as err:
@@ -243,6 +348,9 @@ def _keep(req, stdin_r, out_w, err_w, status_w, release_r):
             break
         except InterruptedError:
             continue
+        if os.WIFSTOPPED(st):  # a ptrace stop (PTRACE_TRACEME made the keeper its tracer): not an exit
+            _detach(pid, 0 if os.WSTOPSIG(st) == signal.SIGTRAP else os.WSTOPSIG(st))
+            continue
         if pid == child:
             status = st
             break
@@ -251,6 +359,14 @@ def _keep(req, stdin_r, out_w, err_w, status_w, release_r):
     except OSError:  # the supervisor is gone (e.g. the OOM killer took it): nobody is left to tell
         return
     os.read(release_r, 1)  # stay the tree's sub-reaper until the supervisor has killed what it must
+
+
+def _detach(pid, sig):
+    """Let go of a tracee that chose the keeper as its tracer, delivering the signal it stopped with (a
+    SIGSTOP then stops it as if untraced; the SIGTRAP a tracee gets after execve is dropped, as untraced
+    processes get none). It stays in the keeper's tree, so the timeout still kills it."""
+    if _ptrace is not None:
+        _ptrace(_PTRACE_DETACH, pid, None, ctypes.c_void_p(sig))
 
 
 def _parse_status(text):

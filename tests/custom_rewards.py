@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from envs.trajectory import Trajectory
 from rewards import RewardResult
 
@@ -114,6 +116,15 @@ async def async_hangs(traj: Trajectory) -> float:
     import asyncio
 
     await asyncio.sleep(3600)
+    return 1.0
+
+
+RELEASE_SYNC_HANG = threading.Event()
+
+
+def sync_hangs(traj: Trajectory) -> float:
+    """A plain-def reward that blocks its thread until the test releases it (a hung user reward)."""
+    RELEASE_SYNC_HANG.wait()
     return 1.0
 
 

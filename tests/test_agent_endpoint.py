@@ -317,6 +317,7 @@ def test_failing_agents_are_scored_failures_and_engine_failures_are_infra(model,
         small = EpisodeConfig(max_new_tokens=16, max_episode_tokens=160)
         out["budget"] = await _episode(eng, codec, _budget_agent, small, endpoint=endpoint)
         out["engine"] = await _episode(_FailingEngine(), codec, _raising_agent, endpoint=endpoint)
+        out["unprintable"] = await _episode(eng, codec, _unprintable_agent, endpoint=endpoint)
         out["open"] = endpoint.open_episodes
         await endpoint.stop()
         return out
@@ -332,6 +333,14 @@ def test_failing_agents_are_scored_failures_and_engine_failures_are_infra(model,
     eng = out["engine"]
     assert eng.infra_error and "engine fell over" in eng.infra_error and eng.outcome is None
     assert eng.metadata["infra_source"] == "engine"
+    # a result whose str() raises (an int past Python's digit limit) is the agent's value: scored, not a crash
+    t = out["unprintable"]
+    assert t.infra_error is None and t.outcome == 0.0, (t.infra_error, t.outcome)
+    assert t.metadata["agent_result"].startswith("<unprintable int"), t.metadata["agent_result"]
+
+
+def _unprintable_agent(client, task) -> int:
+    return 10**5000
 
 
 HOSTILE_TURNS = [

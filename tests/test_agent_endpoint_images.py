@@ -148,3 +148,30 @@ def test_bad_images_are_clear_400s_and_the_server_serves_on(model, codec):
     finally:
         s.close()
         text_only.close()
+
+
+def test_an_agents_image_bytes_are_decoded_only_in_the_killable_child(model, codec, monkeypatch):
+    """The endpoint decodes an agent's image bytes as tool images are (envs/tool_result.py `check_image`):
+    in a child process, never in the worker's own; the episode then reads the child's re-encoded PNG."""
+    import envs.tool_result as tool_result
+
+    seen: list[tuple[str, bytes]] = []
+    real = tool_result.call_in_child
+
+    async def spy(fn, *args, **kwargs):
+        seen.append((fn.__name__, args[0]))
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(tool_result, "call_in_child", spy)
+    s = _Served(TorchEngine(model), codec, CFG)
+    try:
+        shot = png(4, 24, 18)
+        body = {"model": "policy", "messages": [{"role": "user", "content": [image_part(shot)]}]}
+        r = s.post("/chat/completions", body)
+        assert r.status_code == 200, r.text
+        assert seen == [("sanitize_image", shot)]
+        traj = s.rec.episode_trajectory(1.0, {})
+        assert len(traj.images) == 1 and len(traj.image_spans) == 1
+        check_image_tokens(traj)
+    finally:
+        s.close()

@@ -1,7 +1,10 @@
 """An HF checkpoint's own tokenizer and chat template drive the rollout (model.tokenizer.policy_tokenizer).
 
-The tokenizers are built here (tests/foreign_tokenizers.py: a Qwen-style ChatML and a Llama-3-style
-template, each with its own vocabulary), saved beside small random HF checkpoints. Oracles:
+The tokenizers are built here (tests/foreign_tokenizers.py: byte-level BPEs with a Qwen-style ChatML and a
+Llama-3-style template, the ChatML one also with add_prefix_space; SentencePiece-style BPEs with a
+Mistral-style template: Metaspace prepend_scheme "first" (Llama / Mistral, legacy=False) and "always", and
+Llama 2's legacy Prepend + Replace normalizer; each with its own vocabulary), saved beside small random HF
+checkpoints. Oracles:
 - `plain_ids` (the tokenizer's pipeline without added-token matching) == the tokenizer's own `encode` on
   text that holds no added-token string (corpus lines and odd strings);
 - `encode_chat` == the tokenizer's own `apply_chat_template(..., tokenize=True)` on conversations with
@@ -24,7 +27,7 @@ import pytest
 import torch
 
 from model import tokenizer as tk
-from tests.foreign_tokenizers import make_tokenizer
+from tests.foreign_tokenizers import STYLES, make_tokenizer
 
 PARITY_TOL = 1e-4
 TOOLS = [{"type": "function", "function": {
@@ -43,7 +46,7 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["chatml", "llama3"])
+@pytest.fixture(scope="module", params=STYLES)
 def foreign(request, tmp_path_factory):
     return make_tokenizer(request.param, tmp_path_factory.mktemp(request.param))
 
@@ -56,11 +59,12 @@ def _template_ids(tok, messages, tools=None, add_generation_prompt=True) -> list
 
 def test_chat_format_is_read_off_the_template(foreign):
     fmt = tk.chat_format(foreign)
-    want = {"<|im_start|>": "<|im_end|>", "<|start_header_id|>": "<|eot_id|>"}
+    want = {"<|im_start|>": "<|im_end|>", "<|start_header_id|>": "<|eot_id|>", "[INST]": "</s>"}
     assert fmt.end_of_turn == next(v for k, v in want.items() if k in foreign.get_added_vocab())
     assert not fmt.slot_exact
     eot = foreign.convert_tokens_to_ids(fmt.end_of_turn)
-    assert tk.stop_token_ids(foreign) == [eot, foreign.eos_token_id]
+    # Mistral's end of turn is its eos: listed once
+    assert tk.stop_token_ids(foreign) == list(dict.fromkeys([eot, foreign.eos_token_id]))
     shipped = tk.chat_format(tk.load_tokenizer())
     assert shipped.end_of_turn == tk.END_OF_TURN and shipped.slot_exact
 
@@ -72,8 +76,13 @@ def test_plain_ids_equal_the_tokenizers_own_encoding(foreign):
     added = tk.chat_format(foreign).added
     texts = [t for t in lines + odd if not added.search(t)]
     assert len(texts) > 300
+    eot = tk.chat_format(foreign).end_of_turn
+    n_eot = len(foreign.encode(eot, add_special_tokens=False))
     for t in texts:
         assert tk.plain_ids(foreign, t) == foreign.encode(t, add_special_tokens=False), t
+        # a run after an added token, as inside a chat: the tokenizer's own encoding of eot + t, less eot
+        inside = foreign.encode(eot + t, add_special_tokens=False)[n_eot:]
+        assert tk.plain_ids(foreign, t, at_start=False) == inside, t
 
 
 @pytest.mark.parametrize("k", range(len(CONVERSATIONS)))
@@ -92,10 +101,49 @@ def test_the_rollout_identity_holds(foreign):
     for content in (CALL, "The answer is 84.", "x"):
         whole = conv + [{"role": "assistant", "content": content}] + new
         fed = (tk.encode_chat(foreign, conv, TOOLS, add_generation_prompt=True)
-               + foreign.encode(content, add_special_tokens=False) + [tk.end_of_turn_id(foreign)]
+               + tk.encode_turn(foreign, content) + [tk.end_of_turn_id(foreign)]
                + tk.encode_continuation(foreign, new))
         assert fed == tk.encode_chat(foreign, whole, TOOLS, add_generation_prompt=True) == _template_ids(
             foreign, whole, TOOLS)
+
+
+#: prompts that move the edges of the runs between added tokens: leading spaces, a newline right after an
+#: added token, unicode (byte fallback in the SentencePiece styles), several tool results, an empty system
+#: prompt; each conversation ends on a non-assistant turn (the rollout then samples)
+HARD_CHATS = [
+    [{"role": "system", "content": " You answer in one word."}, {"role": "user", "content": "no space first"},
+     {"role": "assistant", "content": "Word."}, {"role": "user", "content": "\nnewline first\n\n"}],
+    [{"role": "user", "content": "émoji 🚀, ∑ and 日本語\ttab"},
+     {"role": "assistant", "content": "Ça marche 🚀"},
+     {"role": "tool", "content": "\n 84 \n"}, {"role": "tool", "content": "  two spaces"}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "  a"},
+     {"role": "assistant", "content": CALL},
+     {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "done."},
+     {"role": "user", "content": "again?"}],
+]
+
+
+@pytest.mark.parametrize("k", range(len(HARD_CHATS)))
+def test_prompts_and_run_by_run_continuations_equal_the_template(foreign, k):
+    """For every tokenizer style: the prompt of every prefix of the conversation == apply_chat_template, and
+    the rollout's run-by-run ids (prompt, each assistant turn's text as it sits after the opening added token
+    (`encode_turn`), the end of turn, `encode_continuation` of what follows) == the template's ids of the
+    whole conversation. Every template here closes an assistant turn with an added token, so the text after
+    it starts a new run and the tokenization is prefix-stable there."""
+    msgs = HARD_CHATS[k]
+    for tools in (None, TOOLS):
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        fed = tk.encode_chat(foreign, msgs[:turns[0]], tools, add_generation_prompt=True)
+        assert fed == _template_ids(foreign, msgs[:turns[0]], tools)
+        for n, i in enumerate(turns):
+            content = msgs[i]["content"]
+            if "<|start_header_id|>" in foreign.get_added_vocab():
+                assert content == content.strip()  # Llama 3's template trims content: sampled text is trimmed
+            end = turns[n + 1] if n + 1 < len(turns) else len(msgs)
+            fed += (tk.encode_turn(foreign, content) + [tk.end_of_turn_id(foreign)]
+                    + tk.encode_continuation(foreign, msgs[i + 1:end]))
+            assert fed == _template_ids(foreign, msgs[:end], tools), (n, foreign.convert_ids_to_tokens(fed))
+        assert tk.encode_chat(foreign, msgs, tools, add_generation_prompt=True) == fed
 
 
 def test_content_cannot_forge_an_added_token(foreign):

@@ -1165,7 +1165,7 @@ def _hostile_images() -> dict[str, tuple[bytes, str]]:
         "text_chunk_bomb": (ztxt, "Decompressed data too large"),
         "cmyk_jpeg": (_pil_bytes(Image.new("CMYK", (16, 16)), "JPEG"), "mode 'CMYK' is not supported"),
         "grey_16bit": (_pil_bytes(Image.new("I;16", (16, 16)), "PNG"), "mode 'I;16' is not supported"),
-        "float_tiff": (_pil_bytes(Image.new("F", (16, 16)), "TIFF"), "mode 'F' is not supported"),
+        "float_tiff": (_pil_bytes(Image.new("F", (16, 16)), "TIFF"), "not a format Pillow can decode as PNG"),
         "not_an_image": (b"#!/bin/sh\nrm -rf / --no-preserve-root\n", "not a format Pillow can decode"),
         "empty": (b"", "not a format Pillow can decode"),
         "too_many_bytes": (b"\x89PNG\r\n\x1a\n" + b"\0" * (8 << 20), "bytes, more than the 8388608 allowed"),
@@ -1375,3 +1375,159 @@ def test_too_many_images_in_one_tool_result_are_cut_with_an_error():
     assert errors == ["image 9: only the first 8 images of a tool result are shown; return fewer images"]
     assert record.splitlines()[-1] == f"error: {errors[0]}" and record.count("<image ") == 8
     env.close()
+
+
+# ================================================================= scoring escapes through a Ray worker
+# Issue 40: a failure must never escape its negative gradient by becoming unscored. Two ways it did: a step
+# info holding a tool-call argument nested ~600 levels deep, which a RolloutWorker actor cannot pickle back to
+# the driver (the episode came back as an infra error), and a code-repair module printing a 400-digit integer
+# on its `@@observed` lines, which made the verdict raise OverflowError (submit never ended the episode, so it
+# came back truncated without an outcome and was dropped by the overlong filter).
+BIG_INT = "1" + "0" * 400
+FORGE_HUGE_OBSERVATIONS = (
+    "import sys\n"
+    "for i in range(200):\n"
+    f"    print('@@observed {{\"id\": %d, \"trace\": [{BIG_INT}], \"note\": \"\"}}' % i)\n"
+    "sys.stdout.flush()\n"
+)
+
+
+def _nested_call(depth: int) -> str:
+    """A calc call whose `expression` is a list nested `depth` levels deep."""
+    nested = "[" * depth + "]" * depth
+    return '<tool_call>{"name": "calc", "arguments": {"expression": ' + nested + "}}</tool_call>"
+
+
+def _deep_then_answer(first_prompt: str, turn: int, depth: int) -> str:
+    """Script: turn 0 the nested call, turn 1 the right answer to the arith task in the first prompt."""
+    from envs.sandbox_scripts.calc import evaluate
+
+    if turn == 0:
+        return _nested_call(depth)
+    expression = re.search(r"Compute (.+?)\.<\|im_end\|>", first_prompt).group(1)
+    return format_tool_call("answer", {"value": evaluate(expression)})
+
+
+def _forge_then_submit(first_prompt: str, turn: int) -> str:
+    """Script: write a module that forges observation lines with 400-digit integers, then submit."""
+    module = re.search(r"Fix (\w+\.py)", first_prompt).group(1)
+    if turn == 0:
+        return format_tool_call("write_file", {"path": module, "content": FORGE_HUGE_OBSERVATIONS})
+    return format_tool_call("submit")
+
+
+class _ScriptPolicy:
+    """An InferenceEngine that plays `script(first_prompt, turn)` in every episode (turn counted per
+    session). Picklable into a Ray actor: its codec is built lazily there."""
+
+    weight_version = 0
+
+    def __init__(self, script) -> None:
+        self.script = script
+        self.stats: dict = {}
+        self._codec = None
+        self._episodes: dict[int, list] = {}  # id(session) -> [session, first prompt, turns played]
+
+    @property
+    def codec(self) -> ChatCodec:
+        if self._codec is None:
+            self._codec = ChatCodec(load_tokenizer())
+        return self._codec
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_codec": None}
+
+    async def agenerate(self, req):
+        from rl.rollout.engine import GenerationResult, Session
+
+        session = req.session or Session()
+        state = self._episodes.setdefault(id(session), [session, self.codec.decode(list(req.prompt_ids)), 0])
+        text = self.script(state[1], state[2]) if state[2] < 2 else "I am done."
+        state[2] += 1
+        ids = self.codec.tok.encode(text, add_special_tokens=False)
+        if not text.endswith(self.codec.tool_close):
+            ids = ids + [self.codec.eot_id]
+        return GenerationResult(
+            req.request_id, ids, [-0.5] * len(ids), "stop_token", None, None, session, 0, len(req.prompt_ids)
+        )
+
+    def release(self, session) -> None:
+        pass
+
+
+def _run_in_ray_worker(settings, script, n: int) -> list:
+    """Run the first `n` training samples, one at a time, through `run_sample` of a real RolloutWorker actor
+    (the path rl/rollout/dispatch.py takes: the trajectory comes back pickled by Ray)."""
+    import ray
+
+    from rl.rollout.tasks import TaskStream
+    from rl.rollout.worker import RolloutWorker
+
+    actor_cls = ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker)
+    actor = actor_cls.remote(settings, 0, engine=_ScriptPolicy(script))
+    try:
+        return [ray.get(actor.run_sample.remote(s), timeout=300) for s in TaskStream(0).first_samples(n, 1)]
+    finally:
+        ray.get(actor.close.remote(), timeout=120)
+        ray.kill(actor)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("depth", [600, 100_000])
+def test_deeply_nested_tool_call_through_a_ray_worker_is_a_scored_agent_error(ray_session, tmp_path, depth):
+    """A policy writing a tool-call argument nested `depth` levels deep, through a real RolloutWorker actor:
+    the trajectory crosses Ray, the bad call is an agent error the model reads, the episode goes on to the
+    right answer and is scored, and nothing deeper than the parse bound is kept in the step info."""
+    import functools
+
+    from envs.tool_call import MAX_JSON_DEPTH, value_depth
+    from rl.rollout.worker import WorkerSettings
+
+    settings = WorkerSettings(
+        env_id="arith", env_kwargs={"difficulty": 0, "use_sandbox": False}, concurrency=1, shared_pool=False,
+        episode=EpisodeConfig(max_new_tokens=1 << 20, max_episode_tokens=1 << 22),
+        rewards=[{"name": "outcome", "weight": 1.0}],
+    )  # fmt: skip
+    [traj] = _run_in_ray_worker(settings, functools.partial(_deep_then_answer, depth=depth), 1)
+    assert traj.infra_error is None, traj.infra_error
+    assert traj.terminated and traj.outcome == 1.0 and traj.rewards["total"] == 1.0, traj.step_infos
+    first = traj.step_infos[0]
+    assert any(f"more than {MAX_JSON_DEPTH} levels" in e for e in first["tool_errors"]), first["tool_errors"]
+    assert all(value_depth(i.to_dict(), 10 * MAX_JSON_DEPTH) <= 3 * MAX_JSON_DEPTH for i in traj.step_infos)
+
+
+@pytest.mark.ray
+@pytest.mark.docker
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_huge_integers_on_observed_lines_through_a_ray_worker_fail_the_check(ray_session, docker_sandbox):
+    """A code-repair module printing `@@observed` lines whose traces hold 400-digit integers, then submit,
+    through a real RolloutWorker actor: every forged check fails, submit ends the episode (terminated, not
+    truncated) and the outcome is 0, a failure that keeps its negative gradient."""
+    from rl.rollout.worker import WorkerSettings
+
+    settings = WorkerSettings(
+        env_id="code-repair", env_kwargs={"difficulty": 0, "run_timeout_s": 10.0}, concurrency=1,
+        sandbox_pool_size=1, sandbox_image=docker_sandbox, rewards=[{"name": "outcome", "weight": 1.0}],
+    )  # fmt: skip
+    [traj] = _run_in_ray_worker(settings, _forge_then_submit, 1)
+    assert traj.infra_error is None, traj.infra_error
+    assert traj.terminated and not traj.truncated and traj.outcome == 0.0, traj.step_infos
+    last = traj.step_infos[-1]
+    assert last["tool_calls"][0]["name"] == "submit" and last["success"] == 0.0, last
+    assert not last["tool_errors"], last
+    assert "SUMMARY 0 passed" in last["tool_results"][0], last["tool_results"]
+    assert traj.rewards["total"] == 0.0
+
+
+@pytest.mark.docker
+def test_code_repair_huge_integer_observations_are_failed_checks(sandbox_pool):
+    """In-process: a module forging 400-digit integer traces; run_tests reports every test failed and submit
+    ends the episode with success 0.0 (it used to raise OverflowError in the verdict: a tool error)."""
+    steps = _code_repair_episode(sandbox_pool, FORGE_HUGE_OBSERVATIONS, runs=1)
+    run, submit = steps[1], steps[2]
+    assert not run[4]["tool_errors"] and "SUMMARY 0 passed" in run[4]["tool_results"][0], run[4]
+    assert submit[2] and not submit[3] and submit[4]["success"] == 0.0, submit
+    assert not submit[4]["tool_errors"], submit

@@ -5,6 +5,7 @@ a reward_error, never a 0), and the spec checks of both forms."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -141,6 +142,37 @@ def test_async_rewards_run_concurrently_and_time_out_into_reward_errors():
     assert all("timed out after 0.1 s" in t.reward_error for t in trajs)
 
 
+def test_a_hung_plain_def_reward_never_holds_the_event_loop():
+    """In a rollout worker (acompose) a plain-def reward runs on a thread of its own: one that hangs is a
+    reward error after its timeout_s, never a 0, and the event loop (the engine, other episodes) keeps
+    running meanwhile; the other rewards of the spec list still score."""
+    custom_rewards.RELEASE_SYNC_HANG.clear()
+    ticks = []
+
+    async def run():
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.02)
+
+        tick = asyncio.ensure_future(ticker())
+        hung = {"name": "tests.custom_rewards:sync_hangs", "key": "slow", "timeout_s": 0.5}
+        specs = [{"name": "outcome"}, hung]
+        t = await acompose(episode("5"), specs)
+        tick.cancel()
+        return t
+
+    try:
+        t = asyncio.run(run())
+    finally:
+        custom_rewards.RELEASE_SYNC_HANG.set()
+    assert t.rewards == {} and t.metadata["reward_failed"] == ["slow"]
+    assert t.reward_error == (
+        "reward 'slow' (tests.custom_rewards:sync_hangs) timed out after 0.5 s (timeout_s); not scored")
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert len(ticks) >= 10 and max(gaps) < 0.4, (len(ticks), max(gaps, default=None))
+
+
 def test_sync_entry_points_with_async_specs():
     t = compose(episode("5"), [{"name": "tests.custom_rewards:async_traj_len", "params": {"delay_s": 0.0}}])
     assert t.rewards["total"] == float(t.n_generated)  # no running loop: compose runs one
@@ -159,13 +191,13 @@ def test_sync_entry_points_with_async_specs():
 
 def test_spec_checks_of_both_forms():
     (spec,) = validate_reward_specs([{"name": "tests.custom_rewards:trl_numeric"}])
-    assert (spec.form, spec.is_async, spec.timeout_s) == ("trl", False, None)
+    assert (spec.form, spec.is_async, spec.timeout_s) == ("trl", False, 60.0)
     (spec,) = validate_reward_specs([{"name": "tests.custom_rewards:judge", "timeout_s": 5}])
     assert (spec.form, spec.is_async, spec.timeout_s) == ("trl", True, 5.0)
     (spec,) = validate_reward_specs([{"name": "tests.custom_rewards:async_traj_len"}])
     assert (spec.form, spec.is_async, spec.timeout_s) == ("trajectory", True, 60.0)
-    with pytest.raises(ValueError, match="timeout_s applies to async reward functions only"):
-        validate_reward_specs([{"name": "outcome", "timeout_s": 3}])
+    (spec,) = validate_reward_specs([{"name": "outcome", "timeout_s": 3}])  # plain defs are limited too
+    assert (spec.is_async, spec.timeout_s) == (False, 3.0)
     with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds, got -1"):
         validate_reward_specs([{"name": "tests.custom_rewards:judge", "timeout_s": -1}])
     with pytest.raises(ValueError, match=r"param scale='x' \(str\) does not match its annotation float"):

@@ -386,7 +386,7 @@ _HOLDER = """
 import sys, time
 from sandbox.container import SandboxLimits
 from sandbox.pool import SandboxPool
-pool = SandboxPool(1, limits=SandboxLimits(memory="64m", work_size="16m", tmp_size="8m", shm_size="4m"))
+pool = SandboxPool(1, limits=SandboxLimits(memory="96m", work_size="16m", tmp_size="8m", shm_size="4m"))
 pool.start_sync()
 sb = pool.acquire_sync()
 print(sb.id, flush=True)
@@ -459,3 +459,241 @@ def test_the_next_odyssey_run_reaps_a_sigkilled_owner(sandbox_leak_check, docker
     )  # fmt: skip
     assert run.returncode == 2 and "no such config file" in run.stderr, run.stderr[-2000:]
     assert not [i for i in list_sandboxes() if i.owner_pid == proc.pid]
+
+
+# ---- memory the agent can pin beyond the OOM killer's reach; escapes from the timeout; file-type tricks ----
+
+#: Fills every mount the agent can write to (found in /proc/self/mountinfo, not assumed): first data up to
+#: the mount's size (files of at most RLIMIT_FSIZE each), then, with argv[3] == "files", empty files with
+#: 255-byte names until the kernel refuses an inode, or with "xattrs", user xattrs of 1000 bytes (the most
+#: memory per KiB of tmpfs inode space) until the inode space is gone; then attaches a System V segment of
+#: argv[1] bytes and, with argv[2] == "hold", sleeps holding it. Prints {mount: [data MiB, files, xattrs]}
+#: and the memory cgroup's usage in MiB.
+FLOODER = r"""
+import ctypes, errno, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+mounts = []
+for line in open("/proc/self/mountinfo"):
+    mp = line.split()[4]
+    try:
+        p = os.path.join(mp, ".probe")
+        os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(p)
+        mounts.append(mp)
+    except OSError:
+        pass
+got = {}
+for mp in mounts:
+    data = files = xattrs = 0
+    for i in range(64):
+        try:
+            with open(f"{mp}/data{i}", "wb") as f:
+                while True:
+                    f.write(b"d" * (1 << 20))
+                    data += 1
+        except OSError as err:
+            if err.errno != errno.EFBIG:  # a file at RLIMIT_FSIZE: go on with the next one
+                break
+    try:
+        while sys.argv[3] == "files" and files < 300000:
+            os.close(os.open(f"{mp}/{files:08d}" + "n" * 247, os.O_WRONLY | os.O_CREAT, 0o600))
+            files += 1
+    except OSError:
+        pass
+    try:
+        while sys.argv[3] == "xattrs" and xattrs < 1000000:
+            os.setxattr(f"{mp}/data0", f"user.{xattrs}", b"v" * 1000)
+            xattrs += 1
+    except OSError:
+        pass
+    got[mp] = [data, files, xattrs]
+shm = int(sys.argv[1])
+sid = libc.shmget(0, shm, 0o1000 | 0o600)
+if sid >= 0:
+    addr = libc.shmat(sid, None, 0)
+    ctypes.memset(addr, 1, shm)
+usage = int(open("/sys/fs/cgroup/memory/memory.usage_in_bytes").read()) >> 20
+print((got, usage), flush=True)
+if sys.argv[2] == "hold":
+    time.sleep(600)
+"""
+
+
+TOUCH_8_MIB = "x = bytearray(8 << 20); x[::4096] = b'z' * len(x[::4096]); print('ok')"
+
+
+@pytest.mark.parametrize("kind", ["files", "xattrs"])
+@pytest.mark.parametrize("memory", ["256m", "512m"])
+def test_inode_floods_in_every_writable_mount_leave_room_and_come_back(docker_sandbox, memory, kind) -> None:
+    """Every mount the agent can write to filled at once: data up to each size, then empty files with the
+    longest names up to each inode cap (or xattrs up to each inode space: the most memory per inode slot),
+    plus System V shared memory held by a detached process. The caps make all of that fit the memory limit
+    with room for commands (`SandboxLimits`' arithmetic), so a normal command still runs; once the agent's
+    processes end and its files are removed, the memory comes back. 512m: the default limits; 256m: the
+    test limits. Before the caps (65536 inodes per tmpfs, an unbounded /dev/shm) the flood itself was
+    OOM-killed at both, and every later command with it."""
+    from sandbox.container import PROCESS_RESERVE, TMPFS_MOUNTS, _parse_bytes
+
+    lim = SandboxLimits() if memory == "512m" else LIMITS
+    assert _parse_bytes(lim.memory) == _parse_bytes(memory)
+    shm = _parse_bytes(lim.shm_size)
+    with Sandbox(docker_sandbox, lim) as sb:
+        t0 = time.monotonic()
+        res = sb.exec(["python3", "-c", FLOODER, str(shm), "once", kind], timeout_s=120)
+        assert res.exit_code == 0 and not res.oom_killed, res
+        got, usage_mib = eval(res.stdout)  # noqa: S307  what the flooder printed
+        flood_s = time.monotonic() - t0
+        holder = ["bash", "-c", 'setsid python3 -c "$1" "$2" hold "$3" >/dev/null 2>&1 &', "h", FLOODER,
+                  str(shm), kind]  # fmt: skip
+        sb.exec(holder)  # its flood finds every mount full already; it holds the System V segment
+        time.sleep(1.0)
+        for _ in range(3):  # everything pinned at once: commands still run and get memory
+            ok = sb.exec(["python3", "-c", TOUCH_8_MIB])
+            assert (ok.exit_code, ok.stdout, ok.oom_killed) == (0, "ok\n", False), (got, ok)
+        assert sb.exec("echo fine").stdout == "fine\n"
+        # the writable mounts are the ones the limits bound, and each stopped at its bound
+        caps = lim.inode_caps()
+        assert set(got) == {*caps, "/dev/mqueue"}, got
+        for mount, cap in caps.items():
+            data, files, xattrs = got[mount]
+            size = _parse_bytes(getattr(lim, TMPFS_MOUNTS[mount][0]))
+            assert data <= size >> 20 and (files if kind == "files" else xattrs) > cap // 2, (mount, got)
+            assert files <= cap and xattrs * 1000 <= cap * 1024, (mount, got[mount], cap)
+        assert got["/dev/mqueue"][1] <= 8, got
+        assert got["/dev/shm"][0] <= shm >> 20, got
+        # the agent ends its processes and removes its files: the memory comes back
+        sb.exec("kill -9 -1; true")
+        mounts = "/work /tmp /dev/shm /dev/mqueue"
+        clean = sb.exec(f"find {mounts} -mindepth 1 -delete; ls -A {mounts}")
+        assert clean.exit_code == 0 and clean.stdout.split() == sorted(f"{m}:" for m in mounts.split()), clean
+        room = (_parse_bytes(lim.memory) - 2 * PROCESS_RESERVE) >> 20
+        big = sb.exec(["python3", "-c", f"x = bytearray({room} << 20); x[::4096] = b'z' * len(x[::4096])"],
+                      timeout_s=60)  # fmt: skip
+        assert big.exit_code == 0 and not big.oom_killed, (room, big)
+        print(f"flood {memory} {kind}: {flood_s:.1f} s, cgroup usage {usage_mib} MiB, {got}")
+
+
+TRACEME = (
+    "import ctypes, os, signal, time\n"
+    "ctypes.CDLL(None).ptrace(0, 0, None, None)  # PTRACE_TRACEME: its parent becomes its tracer\n"
+    "os.kill(os.getpid(), signal.SIGSTOP)  # a ptrace stop, reported to the tracer's waitpid\n"
+    "time.sleep(300)\n"
+)
+
+
+def test_a_process_that_ptrace_stops_itself_is_killed_at_the_timeout(sandbox_pool) -> None:
+    """A command that makes the keeper its tracer and stops itself is neither reported as finished nor left
+    running: it is killed at the timeout with the rest of its tree (a setsid'ed, a double-forked and a
+    new-process-group one do the same thing)."""
+    with sandbox_pool.lease_sync() as sb:
+        script = sb.exec(["bash", "-c", 'printf %s "$1" > /work/traceme.py', "w", TRACEME])
+        assert script.exit_code == 0
+        for cmd in (
+            ["python3", "/work/traceme.py"],
+            ["bash", "-c", "setsid python3 traceme.py & (python3 traceme.py &); "
+                           "set -m; python3 traceme.py & exec python3 traceme.py"],
+        ):  # fmt: skip
+            t0 = time.monotonic()
+            res = sb.exec(cmd, timeout_s=2)
+            took = time.monotonic() - t0
+            assert res.timed_out and res.exit_code == 137, (cmd, res)
+            assert 1.9 < took < 2 + 1.5, took
+            assert _processes(sb) == IDLE, cmd
+        assert sb.exec("echo usable").stdout == "usable\n"
+    _assert_host_and_pool_fine(sandbox_pool)
+
+
+def test_file_helpers_refuse_special_files_at_once(sandbox_pool) -> None:
+    """read_file/write_file on a FIFO (with and without a peer), a socket, a device, a symlink to
+    /dev/zero, a terminal nobody writes to, a directory, a huge sparse file, and on a path a background
+    process keeps swapping between a file and a FIFO: each call ends within a few seconds with an error
+    naming the problem (or, for the swapped path, the file's bytes), never blocks until the timeout (before:
+    60 s for each FIFO read, then "exit 137: no message")."""
+    setup = (
+        "mkfifo /work/fifo /work/fifo2; (exec 3<>/work/fifo2; sleep 300) >/dev/null 2>&1 & "
+        "ln -s /dev/zero /work/zero; ln -s /dev/null /work/null; mkdir /work/dir; "
+        "truncate -s 15m /work/sparse; python3 -c 'import os, time; m, s = os.openpty(); "
+        "os.symlink(os.ttyname(s), \"/work/pty\"); time.sleep(300)' >/dev/null 2>&1 & "
+        "for i in $(seq 200); do [ -L /work/pty ] && break; sleep 0.05; done; "
+        "python3 -c 'import socket; socket.socket(socket.AF_UNIX).bind(\"/work/sock\")'"
+    )
+    with sandbox_pool.lease_sync() as sb:
+        assert sb.exec(setup).exit_code == 0
+        cases = [
+            ("read", "/work/fifo", "FIFO"), ("write", "/work/fifo", "FIFO"),
+            ("read", "/work/fifo2", "FIFO"), ("write", "/work/fifo2", "FIFO"),
+            ("read", "/work/sock", "socket"), ("write", "/work/sock", "socket"),
+            ("read", "/work/zero", "larger than 1048576 bytes"), ("write", "/work/null", "character device"),
+            ("read", "/dev/tty", "character device"), ("read", "/work/pty", "nothing to read now"),
+            ("read", "/work/dir", "directory"), ("write", "/work/dir", "directory"),
+            ("read", "/work/sparse", "larger than 1048576 bytes"),
+        ]  # fmt: skip
+        for op, path, why in cases:
+            t0 = time.monotonic()
+            with pytest.raises(OSError, match=why):
+                if op == "read":
+                    sb.read_file(path, max_bytes=1 << 20)
+                else:
+                    sb.write_file(path, b"data")
+            assert time.monotonic() - t0 < 3, (op, path)
+        assert sb.read_file("/work/sparse", max_bytes=16 << 20) == bytes(15 << 20)
+        swapper = "while :; do rm -f /work/s; echo text > /work/s; rm -f /work/s; mkfifo /work/s; done"
+        sb.exec(["bash", "-c", 'setsid bash -c "$1" >/dev/null 2>&1 &', "s", swapper])
+        for i in range(20):
+            t0 = time.monotonic()
+            try:
+                assert sb.read_file("/work/s") in (b"", b"text\n", b"mine")  # either writer's, or none yet
+            except OSError as err:
+                assert "FIFO" in str(err) or "No such file" in str(err), err
+            try:
+                sb.write_file("/work/s", b"mine")
+            except OSError as err:
+                assert "FIFO" in str(err) or "No such file" in str(err), err
+            assert time.monotonic() - t0 < 3, i
+    _assert_host_and_pool_fine(sandbox_pool)
+
+
+#: a script that leaves leases held at interpreter exit, each kept alive a different way
+_LEASE_AT_EXIT = """
+import sandbox
+from sandbox.container import SandboxLimits
+from sandbox.pool import SandboxPool
+from tests.sandbox_fixtures import TEST_LIMITS_KW
+
+pool = SandboxPool(1, limits=SandboxLimits(**TEST_LIMITS_KW))
+pool.start_sync()
+plain = pool.lease_sync()
+ids = [plain.__enter__().id]
+def episode():
+    with pool.lease_sync() as sb:
+        yield sb
+gen = episode()
+ids.append(next(gen).id)
+class Cycle:
+    def __init__(self):
+        self.cm = pool.lease_sync()
+        self.sb = self.cm.__enter__()
+        self.me = self
+sandbox.kept = Cycle()  # referenced from a package imported before concurrent.futures: finalized last
+ids.append(sandbox.kept.sb.id)
+print(" ".join(ids), flush=True)
+# module teardown as it happens when the lease is finalized late: the thread pool module's globals are
+# gone (submitting raised "TypeError: 'NoneType' object does not support the context manager protocol")
+import atexit, concurrent.futures.thread
+atexit.register(setattr, concurrent.futures.thread, "_global_shutdown_lock", None)
+"""
+
+
+def test_leases_held_at_interpreter_exit_leave_no_error_and_no_container(sandbox_leak_check) -> None:
+    """Leases still open when the interpreter exits (a module global, a suspended generator, a reference
+    cycle), finalized after the thread pools are gone: no "Exception ignored" on stderr, no container left
+    (before: the release submitted to a torn-down thread pool and printed a TypeError)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _LEASE_AT_EXIT], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and len(proc.stdout.split()) == 3, proc.stderr[-3000:]
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    left = [i for i in list_sandboxes() if i.id in proc.stdout.split()]
+    assert not left, f"leases held at exit left containers behind: {[i.name for i in left]}"

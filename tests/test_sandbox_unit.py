@@ -121,6 +121,73 @@ def test_request_encoding_rejects_what_the_kernel_cannot_take() -> None:
         encode_request(["true"], {"": "x"}, "/work", 1, 1, None, uid=1, gid=1)
     with pytest.raises(ValueError, match="lone surrogates"):
         encode_request(["echo", "\ud800"], {}, "/work", 1, 1, None, uid=1, gid=1)
+    file = {"op": "write", "path": "a/b", "mode": 0o600}
+    req = encode_request(["write_file", "a/b"], {}, "/work", 1, 1, b"", uid=1, gid=1, file=file)
+    assert json.loads(req[5 : 5 + int.from_bytes(req[1:5], "big")])["file"] == file
+    for bad in ({"op": "delete", "path": "x"}, {"op": "read"}, {"op": "read", "path": 3}):
+        with pytest.raises(ValueError, match="file must be"):
+            encode_request(["x"], {}, "/work", 1, 1, None, uid=1, gid=1, file=bad)
+    with pytest.raises(ValueError, match="NUL"):
+        encode_request(["x"], {}, "/work", 1, 1, None, uid=1, gid=1, file={"op": "read", "path": "a\0b"})
+
+
+def test_supervisor_file_ops_refuse_special_files_without_blocking(tmp_path) -> None:
+    """exec_helper's file copy on the host: it opens without blocking and checks what it opened, so a FIFO
+    (with or without a peer), a socket, a device and a directory are refused at once, naming what they are;
+    regular files are read and written (parent directories made, mode set)."""
+    import stat
+
+    from sandbox import exec_helper
+
+    fifo, sock_path, d = tmp_path / "fifo", tmp_path / "sock", tmp_path / "dir"
+    os.mkfifo(fifo)
+    d.mkdir()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(sock_path))
+    try:
+        t0 = time.monotonic()
+        for path, flags, what in (
+            (fifo, os.O_RDONLY, "FIFO"), (fifo, os.O_WRONLY, "FIFO"), (sock_path, os.O_RDONLY, "socket"),
+            (sock_path, os.O_WRONLY, "socket"), ("/dev/null", os.O_WRONLY, "character device"),
+            ("/dev/zero", os.O_RDONLY, "character device"), (d, os.O_RDONLY, "directory"),
+        ):  # fmt: skip
+            with pytest.raises(OSError, match=f"is a {what}.*, not a regular file"):
+                exec_helper._open_regular(str(path), flags)
+        peer = os.open(fifo, os.O_RDWR)  # a FIFO with both ends open is refused too
+        with pytest.raises(OSError, match="is a FIFO"):
+            exec_helper._open_regular(str(fifo), os.O_WRONLY)
+        os.close(peer)
+        assert time.monotonic() - t0 < 1
+    finally:
+        sock.close()
+
+    def run(op: dict, stdin: bytes = b"") -> tuple[int, bytes, bytes]:
+        script = (
+            "import json, sys\nfrom sandbox import exec_helper\n"
+            "sys.exit(exec_helper._file_op(json.loads(sys.argv[1])))"
+        )
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        argv = [sys.executable, "-c", script, json.dumps(op)]
+        p = subprocess.run(argv, input=stdin, capture_output=True, cwd=root, timeout=30)
+        return p.returncode, p.stdout, p.stderr
+
+    target = tmp_path / "new" / "dir" / "f.bin"
+    assert run({"op": "write", "path": str(target), "mode": 0o640}, b"\0data")[0] == 0
+    assert target.read_bytes() == b"\0data" and stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert run({"op": "write", "path": str(target), "mode": None}, b"x") == (0, b"", b"")
+    assert run({"op": "read", "path": str(target)}) == (0, b"x", b"")
+    rc, _, err = run({"op": "read", "path": str(fifo)})
+    assert rc == 1 and b"is a FIFO (named pipe), not a regular file" in err and b"use exec" in err
+    rc, _, err = run({"op": "read", "path": str(tmp_path / "missing")})
+    assert rc == 1 and b"No such file or directory" in err
+    assert run({"op": "read", "path": "/dev/null"}) == (0, b"", b"")  # devices are read, without blocking
+    master, slave = os.openpty()
+    try:
+        t0 = time.monotonic()
+        rc, _, err = run({"op": "read", "path": os.ttyname(slave)})  # a terminal nobody writes to
+        assert rc == 1 and b"nothing to read now" in err and time.monotonic() - t0 < 10
+    finally:
+        os.close(master), os.close(slave)
 
 
 def test_supervisor_finds_a_whole_process_tree_and_reads_wait_statuses() -> None:
@@ -160,10 +227,32 @@ def test_parse_bytes_and_limits_validation() -> None:
         SandboxLimits(pids=1)
     with pytest.raises(ValueError, match="SandboxLimits.memory"):
         SandboxLimits(memory="0m")
-    # memory the OOM killer cannot free (the tmpfs mounts, System V shared memory) must leave room
-    with pytest.raises(ValueError, match=r"= 352 MiB.*raise memory or lower those sizes"):
+    # memory the OOM killer cannot free (tmpfs data and inodes, System V shared memory) must leave room
+    with pytest.raises(ValueError, match=r"21504 inodes x 2560 bytes .* = 405 MiB.*raise memory or lower"):
         SandboxLimits(memory="256m")
-    SandboxLimits(memory="64m", work_size="16m", tmp_size="8m", shm_size="4m")  # 16 + 8 + 2 x 4 + 32 = 64
+
+
+def test_limits_cap_the_inodes_of_every_tmpfs_and_count_their_memory() -> None:
+    """Each writable tmpfs gets an inode cap (one per 16 KiB of its size unless given), and the inodes'
+    kernel memory counts against the memory limit with the data: data + SysV + inodes + IPC + reserve."""
+    from sandbox.container import INODE_BYTES, IPC_MISC_BYTES, PROCESS_RESERVE
+
+    assert SandboxLimits().inode_caps() == {"/work": 16384, "/tmp": 4096, "/dev/shm": 1024}
+    small = dict(work_size="16m", tmp_size="8m", shm_size="4m")
+    assert SandboxLimits(memory="96m", **small).inode_caps() == {"/work": 1024, "/tmp": 512, "/dev/shm": 256}
+    assert SandboxLimits(work_inodes=100, shm_inodes=16).inode_caps() == {"/work": 100, "/tmp": 4096,
+                                                                          "/dev/shm": 16}  # fmt: skip
+    assert SandboxLimits(memory="1g", shm_size="64k").inode_caps()["/dev/shm"] == 16  # at least a few files
+    pinned = (16 + 8 + 4 + 4 << 20) + (1024 + 512 + 256) * INODE_BYTES + IPC_MISC_BYTES
+    assert SandboxLimits(memory="96m", **small).pinned_bytes() == pinned
+    SandboxLimits(memory=pinned + PROCESS_RESERVE, **small)  # exactly fits
+    with pytest.raises(ValueError, match="1792 inodes x 2560 bytes"):
+        SandboxLimits(memory=pinned + PROCESS_RESERVE - 1, **small)
+    with pytest.raises(ValueError, match="raise memory or lower those sizes"):  # many inodes need memory too
+        SandboxLimits(memory="96m", work_inodes=30000, **small)
+    for bad in (0, 15, -1, 2.5, "100", True):
+        with pytest.raises(ValueError, match=r"SandboxLimits.tmp_inodes must be an int >= 16"):
+            SandboxLimits(tmp_inodes=bad)
 
 
 def test_exec_result_ok_flag() -> None:

@@ -15,9 +15,12 @@ metadata (what `score_answer` reads for some datasets).
 
 Scoring runs in a child process with a wall-clock limit (envs/child_process.py): some scorers evaluate
 the model's expression, and a crafted answer must not stall the worker. Past `score_timeout_s` the
-answer scores 0.0 (`info["score_timed_out"]`). Multi turn (`multi_turn: true`): a wrong answer gets
-`feedback` and another try, as in dataset-qa. `oracle_actions()` answers with the entry's own answer, so
-`odyssey warmup` can teach a fresh policy the answer format before RL.
+answer scores 0.0 (`info["score_timed_out"]`). So does an answer that makes `score_answer` raise, return
+something outside [0, 1] or kill its process, when the entry's own answer scores normally
+(`info["score_failed"]`); if that fails too, the scorer or the row is broken: the env's failure (an infra
+error). The answer is extracted in linear time (`extract_answer`). Multi turn (`multi_turn: true`): a
+wrong answer gets `feedback` and another try, as in dataset-qa. `oracle_actions()` answers with the
+entry's own answer, so `odyssey warmup` can teach a fresh policy the answer format before RL.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from envs.child_process import ChildProcessDied, call_in_child
 from envs.dataset import DatasetRow
 from envs.dataset_qa import DEFAULT_FEEDBACK
 from envs.text_env import TextEnv, TextReply
+from envs.verifiers import last_tagged
 
 NAMESPACE = "reasoning-gym"
 _RESERVED = ("seed", "size")  # set per task by the adapter
@@ -79,6 +83,13 @@ def _scorer(name: str, config_json: str) -> Any:
 def _score_in_child(name: str, config_json: str, answer: str | None, entry: dict[str, Any]) -> Any:
     """Runs in the child process: the dataset's own score_answer."""
     return _scorer(name, config_json).score_answer(answer, entry)
+
+
+def extract_answer(text: str) -> str | None:
+    """reasoning-gym's `extract_answer(text)` (the last `<answer>...</answer>`, stripped; None without one) in
+    linear time: its regex takes quadratic time on a text of many opening tags and no closing one."""
+    tagged = last_tagged(text, "answer")
+    return None if tagged is None else tagged.strip()
 
 
 class ReasoningGymEnv(TextEnv):
@@ -154,27 +165,41 @@ class ReasoningGymEnv(TextEnv):
             )
         return [f"<answer>{answer}</answer>"]
 
-    async def respond(self, text: str) -> TextReply:
-        from reasoning_gym.utils import extract_answer
-
-        answer = extract_answer(text)
-        try:
-            score, timed_out = await call_in_child(
-                _score_in_child,
-                self.dataset,
-                self._config_json,
-                answer,
-                self.task.entry,
-                timeout_s=self.score_timeout_s,
-            )
-        except ChildProcessDied as e:
-            raise RuntimeError(f"{self.env_id}: scoring failed: {e}") from e
-        info: dict[str, Any] = {"answer": answer}
+    async def _score(self, answer: str | None) -> tuple[float, bool]:
+        """(score_answer's score of `answer`, timed out) from the child; raises when scoring fails."""
+        score, timed_out = await call_in_child(
+            _score_in_child,
+            self.dataset,
+            self._config_json,
+            answer,
+            self.task.entry,
+            timeout_s=self.score_timeout_s,
+        )
         if timed_out:
-            score, info["score_timed_out"] = 0.0, True
-        score = float(score)
-        if not 0.0 <= score <= 1.0:
-            raise ValueError(f"{self.env_id}: score_answer returned {score}, outside [0, 1]")
+            return 0.0, True
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0:
+            raise ValueError(f"{self.env_id}: score_answer returned {str(score)[:100]}, outside [0, 1]")
+        return float(score), False
+
+    async def respond(self, text: str) -> TextReply:
+        answer = extract_answer(text)
+        info: dict[str, Any] = {"answer": answer}
+        try:
+            score, timed_out = await self._score(answer)
+        except Exception as e:
+            # score_answer raised, returned garbage or killed its process. The entry's own answer tells
+            # whose fault that is: if it scores normally, this answer broke the scorer (a failed check, as
+            # the threat model wants: no text escapes scoring); if not, the dataset or the scorer is broken.
+            try:
+                await self._score(self.task.entry.get("answer"))
+            except Exception:
+                if isinstance(e, ChildProcessDied):
+                    raise RuntimeError(f"{self.env_id}: scoring failed: {e}") from e
+                raise
+            score, timed_out = 0.0, False
+            info["score_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if timed_out:
+            info["score_timed_out"] = True
         if score >= 1.0 or not self.multi_turn or self.turn >= self.max_turns:
             return TextReply([], score, done=True, info=info)
         return TextReply([{"role": "user", "content": self.feedback}], score, done=False, info=info)

@@ -21,13 +21,13 @@ without the fields the env asserts on, for instance).
 
 from __future__ import annotations
 
-import asyncio
 import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
 from envs.dataset import DatasetRow
 from envs.text_env import TextEnv, TextReply
+from envs.threads import run_in_own_thread
 
 NAMESPACE = "skyrl"
 
@@ -109,7 +109,9 @@ class SkyRLEnv(TextEnv):
 
     async def respond(self, text: str) -> TextReply:
         try:
-            out = await asyncio.wait_for(asyncio.to_thread(self.task.env.step, text), self.step_timeout_s)
+            out = await run_in_own_thread(
+                self.task.env.step, text, timeout_s=self.step_timeout_s, what="env-step"
+            )
         except TimeoutError:
             raise TimeoutError(
                 f"{self.env_id}: step took longer than step_timeout_s={self.step_timeout_s:g}"

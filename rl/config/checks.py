@@ -242,6 +242,8 @@ def _hf_problems(c: RunConfig) -> list[str]:
         saved = json.loads((Path(m.checkpoint).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
         return out
+    out += _hybrid_problems(saved, where, c.rollout.engine)
+    out += [f"{where}: {e}" for e in hf_attention_problems(saved)]
     vocab = (saved.get("text_config") or saved).get("vocab_size")
     own = (Path(m.checkpoint).expanduser() / "tokenizer.json").is_file()
     try:
@@ -252,6 +254,82 @@ def _hf_problems(c: RunConfig) -> list[str]:
     if isinstance(vocab, int) and n_tok is not None and vocab < n_tok:
         out.append(f"{where}: the model's vocab_size ({vocab}) is smaller than {whose} ({n_tok} tokens); "
                    f"token ids would overflow its embedding. Use a model with vocab_size >= {n_tok}")
+    return out
+
+
+# HF hybrids whose linear-attention / state-space layers the learner's packed row cannot reset per sequence:
+# model_type -> what those layers are. kimi_linear and glm5_next (KDA) are made packing-correct by
+# model/hf_linear_attention.py (learner only); TorchEngine has no per-row recurrent + conv state for them yet.
+_KDA_HYBRIDS = ("kimi_linear", "glm5_next")
+_UNPACKED_HYBRIDS = {
+    **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+                     "olmo_hybrid", "qwen4_exp", "qwen4_exp_text"), "Gated DeltaNet linear-attention"),
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "falcon_h1", "bamba", "jamba", "zamba", "zamba2",
+                     "nemotron_h", "granitemoehybrid"), "Mamba state-space"),
+    **dict.fromkeys(("lfm2", "lfm2_moe", "inkling", "inkling_text"), "gated short-convolution"),
+    "minimax": "Lightning linear-attention", "recurrent_gemma": "RG-LRU recurrent", "rwkv": "RWKV recurrent",
+    "xlstm": "xLSTM recurrent", "zaya": "recurrent",
+}
+_RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "ssm", "lightning", "lstm", "rwkv", "delta")
+
+
+def _hybrid_problems(saved: dict, where: str, engine: str) -> list[str]:
+    """An HF checkpoint (config.json `saved`) with linear-attention or state-space layers: refused unless
+    Odyssey makes its packed forward per-sequence correct (kimi_linear, glm5_next: the learner only)."""
+    text = saved.get("text_config") if isinstance(saved.get("text_config"), dict) else {}
+    model_type = str(saved.get("model_type", ""))
+    kind = _UNPACKED_HYBRIDS.get(model_type) or _UNPACKED_HYBRIDS.get(str(text.get("model_type", "")))
+    layer_types = [str(t) for t in (saved.get("layer_types") or text.get("layer_types") or [])]
+    odd = sorted({t for t in layer_types if any(w in t.lower() for w in _RECURRENT_LAYER_WORDS)})
+    if model_type in _KDA_HYBRIDS:
+        return [f"{where}: {model_type} (a KDA hybrid) trains in Odyssey's learner (its KDA layers run "
+                "Odyssey's kernels with per-sequence state resets, model/hf_linear_attention.py), but "
+                f"rollout.engine={engine} cannot generate with it yet: per-row recurrent + conv state for "
+                "its linear layers is not built in TorchEngine or the vLLM path (issue 42). Use a "
+                "full-attention HF model or an Odyssey preset for RL runs; the learner API (HFPolicy) "
+                "accepts this checkpoint"]
+    if kind is None and not odd:
+        return []
+    what = f"{kind} layers" if kind else f"layers of type {', '.join(odd)}"
+    return [f"{where}: model_type {model_type!r} is a hybrid with {what}. The learner packs sequences into "
+            "one row, and Odyssey has no per-sequence state resets (cu_seqlens through the short "
+            "convolutions and recurrences) for these layers, so every sequence after the first would train "
+            "on state leaked from the one before it: silently wrong. Supported hybrids: kimi_linear and "
+            "glm5_next (KDA, learner only); otherwise use a full-attention model (Llama, Qwen2/3, Qwen3-MoE)"]
+
+
+def hf_attention_problems(saved: dict) -> list[str]:
+    """Attention variants in an HF checkpoint's config.json that Odyssey's packed learner (per-sequence causal
+    SDPA) and TorchEngine (one full KV row per sequence) cannot serve: each would otherwise pass validation
+    and then fail every episode, or train on wrong log-probs (docs/hf.md, HF support)."""
+    c = saved.get("text_config") or saved
+    out: list[str] = []
+    other = sorted({t for t in c.get("layer_types") or () if t != "full_attention"})
+    window = c.get("sliding_window")
+    if other:
+        out.append(f"config.json has layer_types {other}; Odyssey serves full-attention layers only "
+                   "('full_attention' for every layer). Use a full-attention model")
+    elif isinstance(window, int) and c.get("use_sliding_window") is not False and not c.get("layer_types"):
+        out.append(f"config.json sets sliding_window={window} (sliding-window attention), which Odyssey's "
+                   "packed learner and TorchEngine do not apply. Use a full-attention model, or, when no "
+                   f"trajectory will reach {window} tokens (the window then never applies), set "
+                   '"sliding_window": null in config.json')
+    if c.get("use_sliding_window") is True and not isinstance(window, int) and not other:
+        out.append("config.json sets use_sliding_window=true; Odyssey serves full attention only: set it to "
+                   "false or use a full-attention model")
+    for field, what in (("attention_chunk_size", "chunked attention"), ("attn_logit_softcapping",
+                                                                        "attention soft-capping")):
+        if c.get(field) is not None:
+            out.append(f"config.json sets {field}={c[field]} ({what}), which Odyssey's packed attention does "
+                       f"not apply. Use a model without it (or set \"{field}\": null if it was trained "
+                       "without it)")
+    alibi = c.get("alibi") or (c.get("attn_config") or {}).get("alibi") or c.get("model_type") in ("bloom",)
+    if alibi:
+        out.append("config.json uses ALiBi position biases, which Odyssey's packed attention does not apply. "
+                   "Use a model with rotary or no position embeddings")
+    if c.get("model_type") in ("gpt_oss",):
+        out.append(f"model_type {c['model_type']!r} uses attention sinks, which Odyssey's packed attention "
+                   "does not apply. Use a model without them")
     return out
 
 

@@ -227,10 +227,31 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     return validate_config(data, source=path)
 
 
+def _embedded_resolved(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`data` with a `model.hf_path` that names an embedded model (model/embedded.py, e.g.
+    smollm2-135m-instruct) replaced by its converted checkpoint directory (converted on first use, nothing
+    downloaded), before the schema: every consumer of the config (learner, workers, vLLM, the tokenizer, the
+    run's saved config.yaml) reads the directory. A path is kept; an unknown bare name is a problem."""
+    model = data.get("model")
+    hf_path = model.get("hf_path") if isinstance(model, dict) else None
+    if not isinstance(hf_path, str):
+        return data, []
+    from model.embedded import resolve_hf_path
+
+    try:
+        return {**data, "model": {**model, "hf_path": resolve_hf_path(hf_path)}}, []
+    except ValueError as e:
+        return data, [f"model.hf_path: {e}"]
+
+
 def validate_config(data: dict[str, Any], source: str | Path | None = None, io: bool = True) -> RunConfig:
     """RunConfig from raw data: the schema (pass 1), then the meaning checks (pass 2, rl/config/checks.py;
     io=False: only those that read no file), then every stage's own config. ConfigError (not pydantic's
     ValidationError) listing every problem of the first pass that has any."""
+    if io:
+        data, problems = _embedded_resolved(data)
+        if problems:
+            raise ConfigError(problems, source)
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:

@@ -43,6 +43,7 @@ class ModelSection(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     init_from: str | None = None  # a saved checkpoint directory; None = fresh init from learner.seed
     hf_path: str | None = None  # a local HF causal LM checkpoint directory (Llama, Qwen2/3, Qwen3-MoE, ...)
+    # or an embedded model's alias (model/embedded.py, e.g. smollm2-135m-instruct), resolved by load_config
 
     @property
     def checkpoint(self) -> str | None:

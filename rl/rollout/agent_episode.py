@@ -3,14 +3,16 @@ the OpenAI-compatible endpoint, and the recorder's segments become the episode's
 
     traj = await run_agent_episode(engine, env, codec, cfg, endpoint, seed=7, sample_seed=8)
 
-The agent runs in a worker thread with its own `openai.OpenAI` client (this episode's base_url and key,
-no retries, a per-request timeout) while the endpoint serves its requests on this event loop. When it
-returns, raises or runs out of time the key is closed (later requests get 401), the result is scored by
-the env's verifier, and the segments are assembled (rl/rollout/agent_recorder.py).
+The agent runs on a thread of its own (envs/threads.py: never the engine's, never a pool other code waits
+on) with its own `openai.OpenAI` client (this episode's base_url and key, no retries, a per-request
+timeout) while the endpoint serves its requests on this event loop. When it returns, raises or runs out
+of time the key is closed (later requests get 401), the result is scored by the env's verifier, and the
+segments are assembled (rl/rollout/agent_recorder.py).
 
 Who failed: an agent that raises or hangs failed its task (outcome 0, `metadata["agent_error"]`; the
 policy writes what the agent reads, so it could crash it on purpose); the engine failing, or the env's
-own code (task generation, the verifier), is an infrastructure error (`infra_error`, not scored).
+own code (task generation, the verifier), is an infrastructure error (`infra_error`, not scored); so is
+an agent not started because too many earlier ones are still hung (envs/threads.py bounds them).
 
 Segments: when the agent rewrote its history, the trajectory holds every segment one after another and
 `metadata["segment_starts"]` says where each later one begins (`context_replaced_at`: at which request);
@@ -19,11 +21,11 @@ the learner restarts the context at each start, so every segment is trained as i
 
 from __future__ import annotations
 
-import asyncio
 import time
 import traceback
 from typing import Any
 
+from envs.threads import HungThreadsError, OwnThreadTimeout, run_in_own_thread
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig
 from rl.rollout.agent_recorder import EpisodeRecorder
 from rl.rollout.endpoint import PolicyEndpoint
@@ -73,25 +75,29 @@ async def run_agent_episode(
             base_url=handle.base_url, api_key=handle.api_key, max_retries=0, timeout=env.agent_timeout_s
         )
         task = env.task.for_agent
-        work = asyncio.ensure_future(asyncio.to_thread(env.agent, client, task))
-        result, agent_error = None, None
-        try:
-            result = await asyncio.wait_for(asyncio.shield(work), env.agent_timeout_s)
-        except TimeoutError:
+        result, agent_error, returned = None, None, False
+        try:  # on a thread of its own (envs/threads.py): never the engine's, never shared with other agents
+            result = await run_in_own_thread(
+                env.agent, client, task, timeout_s=env.agent_timeout_s, what="agent"
+            )
+            returned = True
+        except OwnThreadTimeout:  # its thread is abandoned (Python cannot kill it) and counted as hung
             agent_error = f"the agent ran past agent_timeout_s={env.agent_timeout_s:g} s"
+        except HungThreadsError as e:  # too many earlier agents still hung: this one was never started
+            infra, source, returned = f"agent not started: {e}", "env", True
         except Exception as e:  # the agent's own failure (perhaps provoked by the policy): scored
-            agent_error = f"the agent raised {_short(e)}"
+            agent_error, returned = f"the agent raised {_short(e)}", True
         finally:
             endpoint.close(handle)  # a straggling agent thread gets 401 from now on
-            client.close() if work.done() else None
-        meta["agent_result"] = None if result is None else str(result)[:10_000]
+            client.close() if returned else None
+        meta["agent_result"] = None if result is None else _shown(result)
         if agent_error is not None:
             meta["agent_error"] = agent_error
         if rec.infra_error is not None:
             infra, source = rec.infra_error, "engine"
         elif agent_error is not None:
             outcome = 0.0
-        else:
+        elif infra is None:
             try:
                 outcome = await env.score(result)
             except Exception as e:  # the verifier's (the env's) failure
@@ -115,3 +121,12 @@ def _empty(infra: str | None, outcome: float | None, rec: EpisodeRecorder, meta:
     (0 unless the verifier said otherwise) or marked, so that the sample is accounted for."""
     meta = {**meta, "n_segments": 0, "requests": rec.requests, "n_turns": 0}
     return Trajectory.empty(meta, infra, 0.0 if outcome is None else outcome)
+
+
+def _shown(result: object) -> str:
+    """At most 10,000 characters of `str(result)` for the record; a result that cannot be shown (str()
+    raising, e.g. an int past Python's 4300-digit limit) is recorded as such: the verifier scores it."""
+    try:
+        return str(result)[:10_000]
+    except Exception as e:  # noqa: BLE001 - the agent's value, not our failure
+        return f"<unprintable {type(result).__name__}: {_short(e)}>"

@@ -29,7 +29,16 @@ Each assistant turn's text is parsed with the env tool-call protocol (envs/tool_
 `<tool_call>` blocks become OpenAI `tool_calls` (arguments as JSON text), the rest of the text is the
 message content. Sampling is the run's (`EpisodeConfig`): a request's `temperature` / `top_p` do not
 change it (the learner's importance ratios assume the run's distribution); `max_tokens` can only lower
-the per-turn cap.
+the per-turn cap. `stop` strings end the turn where the sampled text first holds one (the engine stops
+there; the returned text ends before it, the record keeps every sampled id). `tool_choice="none"` returns
+the turn's text as content, tool-call markup included.
+
+Requests are bounded before they are worked on: the turn limit and a cheap lower bound on the new tokens
+(one template floor per message, characters over the longest token) refuse an over-budget request without
+encoding it, and the canonicalising and encoding run on a worker thread (`off_loop`), never on the event
+loop that serves every episode of the worker. `truncated` means the episode ran out: the budget was used up
+by a generated turn, or the last request was refused for the budget or the turn limit (an agent that then
+compacts its context and goes on within budget is not truncated).
 """
 
 from __future__ import annotations
@@ -38,28 +47,23 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 
 from envs.tool_call import ToolCall, format_tool_call, parse_tool_calls, without_surrogates
+from envs.tool_result import ImageLimits, check_image
 from model.image_tokens import IMAGE_TOKEN_IDS
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, _Builder, _split_routing
 from rl.rollout.engine import GenerationRequest, InferenceEngine, Session
+from rl.rollout.request_json import RequestError, bounded_json, loads_bounded, off_loop
 from rl.rollout.sampling import SamplingParams
 from rl.trajectory import StepInfo, Trajectory, TurnSpan
-
-
-class RequestError(ValueError):
-    """The request cannot be served as sent (bad messages, budget spent): an HTTP 4xx for the agent.
-    `code` is the OpenAI error code (e.g. "context_length_exceeded")."""
-
-    def __init__(self, message: str, code: str = "invalid_request", status: int = 400) -> None:
-        super().__init__(message)
-        self.code, self.status = code, status
 
 
 class EngineFailure(RuntimeError):
@@ -167,10 +171,8 @@ def _tool_calls(message: dict, where: str) -> list[tuple[str, dict[str, Any]]]:
                 f"{where}.tool_calls[{i}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}"
             )
         args = fn.get("arguments", "{}")
-        try:
-            parsed = json.loads(args) if isinstance(args, str) else args
-        except ValueError as err:
-            raise RequestError(f"{where}.tool_calls[{i}].function.arguments is not JSON: {err}") from None
+        where_args = f"{where}.tool_calls[{i}].function.arguments"
+        parsed = loads_bounded(args, where_args) if isinstance(args, str) else bounded_json(args, where_args)
         out.append((fn["name"], parsed))
     return out
 
@@ -228,12 +230,48 @@ def _serialisable(arguments: dict[str, Any]) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=16)
+def _message_floor(codec: ChatCodec) -> int:
+    """The fewest tokens the chat template spends on one more message of any role (empty content, alone or
+    after one of its role), measured once per codec; 0 when the template cannot say (a bound, never more)."""
+    try:
+        base = len(codec.encode_observation([]).ids)
+        costs = []
+        for role in ("system", "user", "assistant", "tool"):
+            m = {"role": role, "content": ""}
+            one = len(codec.encode_observation([m]).ids)
+            costs += [one - base, len(codec.encode_observation([m, m]).ids) - one]
+        return max(0, min(costs))
+    except Exception:  # noqa: BLE001 - a checkpoint's template raises whatever its author wrote
+        return 0
+
+
+@functools.lru_cache(maxsize=16)
+def _chars_per_token(codec: ChatCodec) -> int:
+    """More characters than any token of the codec's tokenizer decodes to: the longest vocabulary entry (a
+    byte-level or metaspace token is at least as long as its text), times 4 for normalisation."""
+    return 4 * max(1, max((len(t) for t in codec.tok.get_vocab()), default=1))
+
+
+def _plain_ids(codec: ChatCodec, text: str) -> list[int]:
+    """`text` encoded without special tokens (a /v1/completions prompt)."""
+    return [int(i) for i in codec.tok.encode(text, add_special_tokens=False)]
+
+
 def _split_turn(text: str) -> tuple[str | None, list[tuple[str, dict[str, Any]]]]:
-    """(content, tool calls) of a model turn: well-formed blocks become calls, the rest stays content."""
+    """(content, tool calls) of a model turn: well-formed blocks become calls, the rest stays content. A call
+    nested deeper than a request may be (MAX_JSON_DEPTH) stays content too, so that the agent can send every
+    call it got back; names and arguments are surrogate-free, as the agent's request will be."""
     calls, content = [], text
     for item in parse_tool_calls(text):
-        if isinstance(item, ToolCall) and _serialisable(item.arguments):
-            calls.append((item.name, item.arguments))
+        if not isinstance(item, ToolCall):
+            continue
+        try:
+            arguments = bounded_json(item.arguments, "")
+        except RequestError:
+            continue
+        if _serialisable(arguments):
+            calls.append((without_surrogates(item.name), arguments))
             content = content.replace(f"<tool_call>{item.raw}</tool_call>", "", 1)
     content = content.strip() if calls else content
     return (content or None), calls
@@ -249,7 +287,8 @@ class EpisodeRecorder:
         self.segments: list[_Segment] = []
         self.requests = 0
         self.turns = 0
-        self.truncated: str | None = None  # "token_budget" | "max_turns" once a request was refused for it
+        self._refused: str | None = None  # "token_budget" | "max_turns": the last refusal, until a turn
+        self._spent: str | None = None  # "token_budget" once generated turns used the whole budget
         self.infra_error: str | None = None
         self.weight_version = int(engine.weight_version)
         self._lock = asyncio.Lock()
@@ -258,18 +297,174 @@ class EpisodeRecorder:
     def total_tokens(self) -> int:
         return sum(len(s.builder) for s in self.segments)
 
+    @property
+    def truncated(self) -> str | None:
+        """Why the episode ran out ("token_budget" | "max_turns"), or None: generated turns used the whole
+        budget, or the last request was refused for the budget or the turn limit. A refusal the agent
+        recovered from (it compacted its context, and a later turn was generated) does not count."""
+        return self._spent or self._refused
+
     # ------------------------------------------------------------------ requests
-    async def chat(self, messages: list[Any], tools: list[dict] | None, max_tokens: int | None) -> TurnResult:
-        """Serve one chat request: generate the next assistant turn of `messages`."""
+    async def chat(
+        self,
+        messages: list[Any],
+        tools: list[dict] | None,
+        max_tokens: int | None,
+        stop: list[str] | None = None,
+        tool_choice: str = "auto",
+    ) -> TurnResult:
+        """Serve one chat request: generate the next assistant turn of `messages`. `stop`: strings that end
+        the turn; `tool_choice`: "auto" (tool calls parsed) or "none" (the turn's text is the content)."""
         async with self._lock:
             self.requests += 1
-            images: dict[str, bytes] = {}  # this request's image bytes by sha256
-            new = canonical(messages, tools, images)
-            if new[-1][0] == "assistant":
-                raise RequestError(
-                    "the last message is an assistant message; end with a user or tool message"
-                )
+            stops = self._check_request(max_tokens, stop)
+            self._chat_bound(messages)
+            images: dict[str, bytes] = {}  # this request's image bytes by sha256 of the bytes sent
+            new = await off_loop(canonical, messages, tools, images)
+            images = await self._sanitized(images)
+            seg, pending, added = await off_loop(self._chat_pending, new, tools, images)
+            turn = await self._generate(seg, pending, max_tokens, tool_choice != "none", stops)
+            content, calls = _split_turn(turn.text) if tool_choice != "none" else (turn.text or None, [])
+            turn.content, turn.tool_calls = content, calls
+            if calls and turn.finish_reason == "stop":
+                turn.finish_reason = "tool_calls"
+            said = ("assistant", without_surrogates(content or ""), json.dumps(calls, sort_keys=True))
+            seg.history = [*new, said]
+            seg.messages += [*self.codec.for_record(added), {"role": "assistant", "content": turn.text}]
+            tool_calls = [{"name": n, "arguments": a} for n, a in calls]
+            seg.step_infos.append(StepInfo(turn=self.turns, tool_calls=tool_calls))
+            return turn
+
+    async def complete(
+        self, prompt: str | list[int], max_tokens: int | None, stop: list[str] | None = None
+    ) -> TurnResult:
+        """Serve one completion request: continue `prompt` (text, encoded without special tokens, or ids)."""
+        async with self._lock:
+            self.requests += 1
+            stops = self._check_request(max_tokens, stop)
             seg = self.segments[-1] if self.segments else None
+            held = seg.builder.tokens if seg is not None and seg.mode == "completion" else None
+            if isinstance(prompt, str) and prompt:
+                at_least = len(prompt) // _chars_per_token(self.codec)  # tokens of the whole prompt
+                self._check_budget(at_least - len(held or ()), at_least=True)
+                ids = await off_loop(_plain_ids, self.codec, prompt)
+            elif isinstance(prompt, list) and prompt and all(type(i) is int for i in prompt):
+                self._check_budget(len(prompt) - len(held or ()), at_least=True)
+                ids = list(prompt)
+            else:
+                raise RequestError("'prompt' must be a non-empty string or a non-empty list of token ids "
+                                   "(ints)", param="prompt")  # fmt: skip
+            vocab = len(self.codec.tok)
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise RequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+            if self.codec.patch_size and any(i in IMAGE_TOKEN_IDS for i in ids):  # a vision policy's blocks
+                raise RequestError(f"the prompt holds image tokens (ids {sorted(IMAGE_TOKEN_IDS)}); a "
+                                   "completion carries no image: send images as image_url parts to "
+                                   "/v1/chat/completions")
+            if held is not None and len(ids) > len(held) and ids[: len(held)] == held:
+                pending = [("observation", ids[len(held) :], [])]
+            else:
+                seg = _Segment(mode="completion", started_at=self.requests, n_prompt_messages=1)
+                pending = [("prompt", ids, [])]
+            turn = await self._generate(seg, pending, max_tokens, False, stops)
+            seg.messages += [
+                {"role": "user", "content": self.codec.decode(pending[0][1])},
+                {"role": "assistant", "content": turn.text},
+            ]
+            seg.step_infos.append(StepInfo(turn=self.turns))
+            return turn
+
+    # ------------------------------------------------------------------ internals
+    def _check_request(self, max_tokens: Any, stop: list[str] | None) -> tuple[str, ...]:
+        """What is cheap to check before any work: the episode is still open (no engine failure, turns left),
+        `max_tokens` is a positive integer, the engine can stop at strings. The stop strings, as a tuple."""
+        if self.infra_error is not None:
+            raise EngineFailure(f"the episode already failed: {self.infra_error}")
+        if self.cfg.max_turns is not None and self.turns >= self.cfg.max_turns:
+            self._refused = "max_turns"
+            raise RequestError(
+                f"this episode's turn limit ({self.cfg.max_turns} generations) is reached; finish the task",
+                "turn_limit_exceeded",
+            )
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+            raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}",
+                               param="max_tokens")  # fmt: skip
+        stops = tuple(stop or ())
+        if stops and getattr(self.engine, "detokenize", None) is None:
+            raise RequestError(
+                "'stop' is not supported by this engine: it was built without a detokenizer (build it with "
+                "detokenize=tokenizer.decode, as the rollout worker does), or send no 'stop'", "unsupported",
+                param="stop",
+            )  # fmt: skip
+        return stops
+
+    def _check_budget(self, n_new: int, at_least: bool = False) -> None:
+        """Refuse (context_length_exceeded) a request whose `n_new` tokens leave no token of the episode's
+        budget to generate; `at_least`: `n_new` is a lower bound, known before encoding."""
+        if self.cfg.max_episode_tokens - self.total_tokens - n_new > 0:
+            return
+        self._refused = "token_budget"
+        needs = f"at least {n_new}" if at_least else str(n_new)
+        raise RequestError(
+            f"this episode's token budget ({self.cfg.max_episode_tokens} tokens in all) is spent: the "
+            f"request needs {needs} more tokens with {self.total_tokens} used; send a shorter context or "
+            "finish the task",
+            "context_length_exceeded",
+        )
+
+    def _chat_bound(self, messages: Any) -> None:
+        """Refuse a chat request that cannot fit the budget, before canonicalising or encoding it: the new
+        messages (those past the open segment's, or all when the request cannot extend it) cost at least the
+        template's floor per message, and at least their text's characters over the longest token."""
+        if not isinstance(messages, list):
+            return  # canonical() says what is wrong
+        seg = self.segments[-1] if self.segments else None
+        first = 0
+        if seg is not None and seg.mode == "chat" and len(messages) >= len(seg.history):
+            first = len(seg.history) - 1
+        new = messages[first:]
+        chars = 0
+        for m in new:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(p["text"]) for p in content
+                             if isinstance(p, dict) and isinstance(p.get("text"), str))  # fmt: skip
+        floor = _message_floor(self.codec)
+        self._check_budget(max(len(new) * floor, chars // _chars_per_token(self.codec)), at_least=True)
+
+    async def _sanitized(self, images: dict[str, bytes]) -> dict[str, bytes]:
+        """`images` decoded and re-encoded as RGB PNGs by the tool-image decoder (envs/tool_result.py
+        `check_image` with a tool image's limits: PNG or JPEG only, at most 8 MiB and 4096² pixels counted
+        from the header, decoded in a child process killed with its whole process group on timeout), keyed as
+        sent, so that a resent conversation still matches. The
+        agent's bytes are never decoded in the worker's own process. A text-only policy's images are left
+        for `_prepared` to refuse."""
+        if not images or not self.codec.patch_size:
+            return images
+        out = {}
+        for sha, data in images.items():
+            try:
+                out[sha], _, _ = await check_image(data, ImageLimits())
+            except ValueError as err:
+                raise RequestError(f"an image_url part: {err}", "invalid_image", param="messages") from None
+        return out
+
+    def _chat_pending(
+        self, new: list[tuple], tools: list[dict] | None, images: dict[str, bytes]
+    ) -> tuple[_Segment, list, list]:
+        """(segment, pending (role, ids, images) parts, added template messages) of a chat request, given
+        its canonical form `new` and its (sanitised) image bytes by sha256: the open segment's continuation
+        when the request extends it, else a new segment. Pure (reads the open segment only): runs on a
+        worker thread (`off_loop`)."""
+        if new[-1][0] == "assistant":
+            raise RequestError(
+                "the last message is an assistant message; end with a user or tool message", param="messages"
+            )
+        seg = self.segments[-1] if self.segments else None
+        try:
             if (
                 seg is not None
                 and seg.mode == "chat"
@@ -286,54 +481,11 @@ class EpisodeRecorder:
                 seg = _Segment(mode="chat", started_at=self.requests, n_prompt_messages=len(added))
                 enc = self.codec.encode_prompt(added, tools)
                 pending = [("prompt", enc.ids, enc.images)]
-            turn = await self._generate(seg, pending, max_tokens)
-            content, calls = _split_turn(turn.text)
-            turn.content, turn.tool_calls = content, calls
-            if calls and turn.finish_reason == "stop":
-                turn.finish_reason = "tool_calls"
-            said = ("assistant", without_surrogates(content or ""), json.dumps(calls, sort_keys=True))
-            seg.history = [*new, said]
-            seg.messages += [*self.codec.for_record(added), {"role": "assistant", "content": turn.text}]
-            tool_calls = [{"name": n, "arguments": a} for n, a in calls]
-            seg.step_infos.append(StepInfo(turn=self.turns, tool_calls=tool_calls))
-            return turn
+        except TemplateError as err:  # a checkpoint's chat template refusing the conversation
+            raise RequestError(f"the policy's chat template refuses this conversation: {err}",
+                               "template_error", param="messages") from None  # fmt: skip
+        return seg, pending, added
 
-    async def complete(self, prompt: str | list[int], max_tokens: int | None) -> TurnResult:
-        """Serve one completion request: continue `prompt` (text, encoded without special tokens, or ids)."""
-        async with self._lock:
-            self.requests += 1
-            if isinstance(prompt, str):
-                ids = [int(i) for i in self.codec.tok.encode(prompt, add_special_tokens=False)]
-            elif isinstance(prompt, list) and prompt and all(type(i) is int for i in prompt):
-                ids = list(prompt)
-            else:
-                raise RequestError(
-                    "'prompt' must be a non-empty string or a non-empty list of token ids (ints)"
-                )
-            vocab = len(self.codec.tok)
-            bad = [i for i in ids if not 0 <= i < vocab]
-            if bad:
-                raise RequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-            if self.codec.patch_size and any(i in IMAGE_TOKEN_IDS for i in ids):  # a vision policy's blocks
-                raise RequestError(f"the prompt holds image tokens (ids {sorted(IMAGE_TOKEN_IDS)}); a "
-                                   "completion carries no image: send images as image_url parts to "
-                                   "/v1/chat/completions")
-            seg = self.segments[-1] if self.segments else None
-            held = seg.builder.tokens if seg is not None and seg.mode == "completion" else None
-            if held is not None and len(ids) > len(held) and ids[: len(held)] == held:
-                pending = [("observation", ids[len(held) :], [])]
-            else:
-                seg = _Segment(mode="completion", started_at=self.requests, n_prompt_messages=1)
-                pending = [("prompt", ids, [])]
-            turn = await self._generate(seg, pending, max_tokens, stop_on_tool_call=False)
-            seg.messages += [
-                {"role": "user", "content": self.codec.decode(pending[0][1])},
-                {"role": "assistant", "content": turn.text},
-            ]
-            seg.step_infos.append(StepInfo(turn=self.turns))
-            return turn
-
-    # ------------------------------------------------------------------ internals
     def _prepared(self, messages: list[dict], first: int) -> list[dict]:
         """`messages` (request messages[first:]) with each image decoded and sized for the policy
         (ChatCodec.prepare); a text-only policy or a bad image is the request's error."""
@@ -368,28 +520,15 @@ class EpisodeRecorder:
         pending: list[tuple[str, list[int], list]],
         max_tokens: int | None,
         stop_on_tool_call: bool = True,
+        stop: tuple[str, ...] = (),
     ) -> TurnResult:
         cfg = self.cfg
-        if self.infra_error is not None:
-            raise EngineFailure(f"the episode already failed: {self.infra_error}")
-        if cfg.max_turns is not None and self.turns >= cfg.max_turns:
-            self.truncated = "max_turns"
-            raise RequestError(
-                f"this episode's turn limit ({cfg.max_turns} generations) is reached; finish the task",
-                "turn_limit_exceeded",
-            )
+        self._check_request(max_tokens, None)
         n_new = sum(len(ids) for _, ids, _ in pending)
+        self._check_budget(n_new)
         budget = cfg.max_episode_tokens - self.total_tokens - n_new
-        if budget <= 0:
-            self.truncated = "token_budget"
-            raise RequestError(
-                f"this episode's token budget ({cfg.max_episode_tokens} tokens in all) is spent: the request "
-                f"needs {n_new} more tokens with {self.total_tokens} used; finish the task",
-                "context_length_exceeded",
-            )
-        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-            raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         stop_ids, stop_strs = self.codec.stops(stop_on_tool_call and cfg.stop_on_tool_call)
+        stop_strs = stop_strs + tuple(s for s in stop if s not in stop_strs)
         params = SamplingParams(
             temperature=cfg.temperature,
             top_p=cfg.top_p,
@@ -422,13 +561,20 @@ class EpisodeRecorder:
             "assistant", res.token_ids, logprobs=res.logprobs, routed=res.routed_experts, versions=versions
         )
         self.turns += 1
+        self._refused = None  # the agent got back within its limits
+        if self.total_tokens >= cfg.max_episode_tokens:
+            self._spent = "token_budget"
         gen = list(res.token_ids)
         stopped = bool(gen) and gen[-1] in self.codec.stop_ids
         seg.needs_eot = not (bool(gen) and gen[-1] == self.codec.eot_id)
         seg.finish_reasons.append(res.finish_reason)
         finish = "length" if res.finish_reason == "length" else "stop"
+        text = self.codec.decode(gen[:-1] if stopped else gen)
+        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+        if cut >= 0:  # the text ends before the first stop string, as OpenAI's does; the ids stay as sampled
+            text, finish = text[:cut], "stop"
         return TurnResult(
-            text=self.codec.decode(gen[:-1] if stopped else gen),
+            text=text,
             content=None,
             tool_calls=[],
             token_ids=gen,

@@ -49,6 +49,7 @@ twin for scripts and tests.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import threading
 import time
@@ -264,6 +265,8 @@ class TorchEngine:
         self._batch_cache: Any = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        # the decode step's own thread: never the loop's default executor, which other code (agents) may fill
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.stats = {
             "prefill_tokens": 0,
             "decode_tokens": 0,
@@ -346,6 +349,9 @@ class TorchEngine:
     # ------------------------------------------------------------------ serving loop
     async def _serve(self) -> None:
         assert self._wake is not None
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch-engine")
+        loop = asyncio.get_running_loop()
         while True:
             if not self._running and not self._pending:
                 self._wake.clear()
@@ -354,8 +360,8 @@ class TorchEngine:
             joining, self._pending = self._pending[:free], self._pending[free:]
             self._joining = joining
             try:
-                running, cache, finished = await asyncio.to_thread(
-                    self._step, self._running, self._batch_cache, joining
+                running, cache, finished = await loop.run_in_executor(
+                    self._executor, self._step, self._running, self._batch_cache, joining
                 )
             except Exception as err:  # fail every request in flight, keep serving new ones
                 for s in self._running + joining:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from rl.rollout.agent_loop import ChatCodec
 from rl.rollout.engine import GenerationRequest, GenerationResult, Session
@@ -27,7 +28,9 @@ class TeacherForcedEngine:
 
     The turn's tokens are the text's ids; when they do not already end in one of the request's stop tokens
     (e.g. `</tool_call>` with stop_on_tool_call), the end-of-turn token is appended, as a model closing its
-    turn would. Everything else (weights, sessions, release) is the wrapped engine's.
+    turn would. Everything else (weights, sessions, release) is the wrapped engine's, and so is every other
+    attribute a caller reads (`__getattr__`): `config` (the rollout worker sizes a vision policy's images from
+    it, rl.rollout.worker.policy_vision), `model_dir`, `stats`, `aclose`, `shutdown`.
     """
 
     def __init__(self, engine, codec: ChatCodec, policy: Callable[[GenerationRequest], str]) -> None:
@@ -54,6 +57,13 @@ class TeacherForcedEngine:
     @property
     def weight_version(self) -> int:
         return self.engine.weight_version
+
+    def __getattr__(self, name: str) -> Any:
+        """Any attribute this class does not define is the wrapped engine's (AttributeError when it has
+        none, so `hasattr(engine, "stats")` answers for the wrapped engine)."""
+        if name == "engine":  # not yet set (unpickling, a half-built object): never recurse
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
 
 def conversation_tokens(request: GenerationRequest) -> int:

@@ -21,6 +21,7 @@ exactly one trajectory: failures come back as trajectories marked `infra_error` 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import shutil
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from envs.threads import hung_threads
 from rewards.compose import RewardMetrics
 from rl.policy import PolicySpec
 from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
@@ -264,6 +266,7 @@ class RolloutWorker:
         self._in_flight = 0
         self._report = WorkerReport()
         self._endpoint: Any = None  # the policy endpoint of agent envs, started by the first such episode
+        self._io: concurrent.futures.ThreadPoolExecutor | None = None  # store writes, weight loads
 
     # ------------------------------------------------------------------ env + sandbox
     async def _ensure_pool(self) -> None:
@@ -386,6 +389,13 @@ class RolloutWorker:
             self._endpoint = endpoint
         return self._endpoint
 
+    def _blocking(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """`fn(*args)` on this worker's own threads: never the loop's default executor, which user code (an
+        async reward's asyncio.to_thread) may fill; agents and verifiers run on threads of their own."""
+        if self._io is None:
+            self._io = concurrent.futures.ThreadPoolExecutor(4, f"worker{self.worker_id}-io")
+        return asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
     async def score(self, traj: Trajectory) -> Trajectory:
         """Score `traj` in place (async rewards, e.g. judges, are awaited here; other episodes go on)."""
         if self._specs:
@@ -400,7 +410,7 @@ class RolloutWorker:
         """Append `traj` to the worker's store (at once: a crash loses at most the episodes in flight) and
         count it in the report; a write cancelled mid-flight still counts if it lands."""
         if self.store is not None:
-            stored = asyncio.ensure_future(asyncio.to_thread(self.store.append, traj))
+            stored = asyncio.ensure_future(self._blocking(self.store.append, traj))
             try:
                 await asyncio.shield(stored)
             except asyncio.CancelledError:  # the write runs on in its thread: count it if it lands
@@ -461,6 +471,7 @@ class RolloutWorker:
             "infra_by_env": dict(r.infra_by_env),
             "infra_by_source": dict(r.infra_by_source),
             "infra_examples": list(r.infra_examples),
+            "hung_threads": len(hung_threads()),  # agents/verifiers past their timeouts, still running
         }
 
     async def update_weights(self, weights: Any, version: int) -> int:
@@ -472,7 +483,7 @@ class RolloutWorker:
         if isinstance(weights, list):
             (ref,) = weights
             weights = await ref
-        await asyncio.to_thread(self.engine.update_weights, weights, int(version))
+        await self._blocking(self.engine.update_weights, weights, int(version))
         return int(self.engine.weight_version)
 
     async def weight_version(self) -> int:
@@ -492,6 +503,9 @@ class RolloutWorker:
         if self._engine_dir:
             shutil.rmtree(self._engine_dir, ignore_errors=True)
             self._engine_dir = None
+        io, self._io = self._io, None
+        if io is not None:  # a write still running finishes in its thread
+            io.shutdown(wait=False)
         if self._own_pool and self._pool is not None:
             await self._pool.close()
             self._pool = None

@@ -1,0 +1,290 @@
+r"""Hybrid Hugging Face models in the learner: transformers' KDA layers on Odyssey's kernels, packing-correct.
+
+transformers' Kimi Delta Attention layers (`KimiLinearDeltaAttention` of `kimi_linear`,
+`Glm5NextTextLinearAttention` of `glm5_next`) run their short convolution and recurrence over the whole
+row: in the learner's packed row (HFPolicy.packed_hidden, sequences concatenated with position_ids
+restarting at 0) the conv window and the state S run from one sequence into the next, so every sequence
+after the first gets wrong log-probs and gradients, silently. `patch_linear_attention(hf)` (called by
+HFPolicy at construction, before anything runs) fixes this per layer:
+
+- the trunk (the module holding `layers`) reads the packing of each call: `cu_seq_lens_q` when given, else the
+  starts of the packed sequences from `position_ids` [1, T] (a sequence starts where its position is 0), and
+  passes it down as the keyword `odyssey_cu_seqlens` int32 [N+1]; transformers' decoder layers forward their
+  keyword arguments to the token mixers, also in the recomputation of activation checkpointing;
+- each KDA layer then runs, for all N sequences at once, with per-sequence state resets (DESIGN.md "Model",
+  docs/kda.md):
+
+      q, k, v = SiLU(ShortConv_W([W_q; W_k; W_v] x))  per sequence (model/short_conv.py, cu_seqlens)
+      q <- L2Norm(q) K^-1/2,  k <- L2Norm(k),  beta = sigmoid(W_b x)
+      g = -e^{A_h} softplus(W_fb W_fa x + dt_bias)      (kimi_linear: unbounded)
+        = g_lb sigmoid(e^{A_h} (W_fb W_fa x + dt_bias))  (glm5_next: lower bound g_lb = -5)
+      S_t = (I - beta_t k_t k_t^T) Diag(e^{g_t}) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t   (1)
+      S_0 = 0 at every sequence start
+      y = W_o [RMSNorm_head(o) * sigmoid(W_gb W_ga x)]
+
+  on Odyssey's kernels: the fused CPU short conv and the C++ recurrence with its own backward
+  (model/kda_recurrent.py) for fp32 on CPU (the recurrence always runs in fp32, as transformers' does),
+  fla-core's Triton `chunk_kda` on CUDA (model/kda_fla.py; its exact path when a gate is below -5), the torch
+  chunkwise form (model/kda_chunk.py) for a bounded gate elsewhere, the token-by-token reference otherwise;
+- glm5_next's DSA attention layers (indexer top-k over pools of the row, then a sparse mask) are run once per
+  sequence (transformers' own forward on each slice), so pools and top-k never cross a boundary; kimi_linear's
+  MLA layers need nothing: transformers builds them a block-diagonal mask from the packed position_ids.
+
+Everything else (norms, MoE, hyper-connections, MLA) stays transformers' code. A call with a cache
+(`past_key_values` / `cache_params`: generate, decoding) or with a padding mask takes transformers' own
+forward unchanged; decoding packed rows with per-row recurrent state is not built (TorchEngine refuses these
+models; rl/config/checks.py refuses them for rollout).
+
+Shapes: hidden states [B, T, D] (packed: B = 1), q, k, g [T, H, K], v [T, H, V], beta [T, H], conv input
+[T, 3HK] with taps [3HK, W].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from model import kda, kda_chunk, kda_fla, kda_recurrent
+from model.kda_reference import naive_recurrent_kda
+from model.short_conv import causal_short_conv, causal_short_conv_silu
+
+CU_KWARG = "odyssey_cu_seqlens"
+# model_type -> (module of transformers.models, KDA layer class, trunk class, DSA attention class or None)
+KDA_MODELS: dict[str, tuple[str, str, str, str | None]] = {
+    "kimi_linear": ("kimi_linear", "KimiLinearDeltaAttention", "KimiLinearModel", None),
+    "glm5_next": ("glm5_next", "Glm5NextTextLinearAttention", "Glm5NextTextModel", "Glm5NextTextAttention"),
+}
+# transformers' reference functions of the KDA layers (torch; fla's replace them where fla is installed)
+_TRANSFORMERS_KERNELS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
+                         "causal_conv1d_update")
+
+
+def _transformers_module(model_type: str) -> Any:
+    import importlib
+
+    name = KDA_MODELS[model_type][0]
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def model_type_of(config: Any) -> str:
+    """The checkpoint's model_type (a composite config's own, e.g. 'glm5_next')."""
+    return str(getattr(config, "model_type", ""))
+
+
+# ------------------------------------------------------------------------------------------------ packing
+def _cu_from_call(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """cu_seqlens int32 [N+1] of a packed full-sequence trunk call, or None (a cached call, B > 1, no
+    position_ids: the layers treat each row as one sequence). From `cu_seq_lens_q` when given, else from
+    position_ids [1, T]: a sequence starts at t = 0 and wherever position_ids[t] == 0."""
+    if kwargs.get("past_key_values") is not None:
+        return None
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        return cu.to(torch.int32)
+    pos = kwargs.get("position_ids")
+    if pos is None or pos.dim() != 2 or pos.shape[0] != 1:
+        return None
+    p = pos[0]
+    T = p.shape[0]
+    starts = (p == 0).nonzero().flatten().to(torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32, device=p.device)
+    end = torch.full((1,), T, dtype=torch.int32, device=p.device)
+    return torch.unique(torch.cat([zero, starts, end]))  # sorted, no duplicates
+
+
+class _PackedTrunk:
+    """Mixin of the trunk (the module holding `layers`): every call passes its packing down as `CU_KWARG`."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("odyssey_prefix_of") is not None:
+            raise ValueError(
+                "shared prefixes (learner.share_prefixes) are not supported for hybrid linear-attention "
+                "models: a continuing sequence would need its prefix's recurrent and conv state. Set "
+                "learner.share_prefixes=false")
+        if CU_KWARG not in kwargs:
+            cu = _cu_from_call(kwargs)
+            if cu is not None:
+                kwargs[CU_KWARG] = cu
+        return super().forward(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ KDA layer
+def _recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu: torch.Tensor, bounded: bool) -> torch.Tensor:
+    """Recurrence (1) over packed sequences, fp32: q, k, g [T, H, K], v [T, H, V], beta [T, H], cu int [N+1]
+    -> o [T, H, V] fp32 (state 0 at every sequence start). q is used as given (already scaled by K^-1/2).
+    bounded: every g >= -5 by construction (the torch chunkwise form's dense tiles then fit fp32)."""
+    args = [t[None] for t in (q, k, v, g, beta)]
+    if q.device.type == "cpu" and kda_recurrent.applies(*args):
+        return kda_recurrent.recurrent_kda(*args, cu_seqlens=cu)[0][0]
+    if q.is_cuda and kda_fla.available():  # fla; its exact (token-parallel) path for a gate below -5
+        return kda.chunk_kda(*args, cu_seqlens=cu, check_decay_bound=not bounded)[0][0]
+    if bounded:
+        return kda_chunk.chunk_kda(*args, cu_seqlens=cu, check_decay_bound=False)[0][0]
+    bounds = cu.tolist()  # unbounded gate, no C++ kernels: the exact token-by-token reference per sequence
+    return torch.cat([naive_recurrent_kda(*(t[:, a:b] for t in args))[0][0]
+                      for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (transformers' / fla's KDA l2norm), x fp32 [..., K]."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def packed_kda(layer: nn.Module, x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """One transformers KDA layer (its own parameters) over packed sequences, per-sequence state resets:
+    x [T, D] (N sequences at cu int32 [N+1]) -> y [T, D] in x's dtype; formulas in the module docstring."""
+    T = x.shape[0]
+    H, K = layer.num_heads, layer.head_dim
+    mixed = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1)  # [T, 3HK]
+    w = layer.conv1d.weight.squeeze(1)  # [3HK, W] (fp32 in glm5_next checkpoints: keep_in_fp32)
+    mixed = mixed.to(w.dtype)
+    if layer.conv1d.bias is None and layer.activation in ("silu", "swish"):
+        mixed = causal_short_conv_silu(mixed, w, cu)[0]  # fused kernel on fp32 CPU
+    else:
+        from transformers.activations import ACT2FN
+
+        y = causal_short_conv(mixed, w, cu)[0]
+        mixed = ACT2FN[layer.activation](y if layer.conv1d.bias is None else y + layer.conv1d.bias)
+    q, k, v = mixed.to(x.dtype).float().view(T, 3, H, K).unbind(1)
+    q = _l2norm(q) * K**-0.5
+    k = _l2norm(k)
+    g = layer.forget_gate(x[None])[0].float()  # [T, H, K] log-decay, the checkpoint's own gate
+    beta = torch.sigmoid(layer.b_proj(x)).float()  # [T, H]
+    lower = getattr(layer.forget_gate, "safe_gate_lower_bound", None)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        o = _recurrence(q, k, v, g, beta, cu, bounded=lower is not None and lower >= -5.0)
+    gate = layer.g_b_proj(layer.g_a_proj(x)).view(T, H, K)
+    return layer.o_proj(layer.o_norm(o.to(x.dtype), gate).reshape(T, H * K))
+
+
+class _PackedKDA:
+    """Mixin of a transformers KDA layer: a full-sequence call without cache runs `packed_kda`."""
+
+    def forward(self, hidden_states: torch.Tensor, cache_params: Any = None,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        cu = kwargs.pop(CU_KWARG, None)
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if cache_params is not None or padded:  # generate / decoding / padding: transformers' own path
+            return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask,
+                                   **kwargs)
+        B, T, D = hidden_states.shape
+        if cu is None:  # each row one sequence
+            cu = torch.arange(0, B * T + 1, max(T, 1), dtype=torch.int32, device=hidden_states.device)[:B + 1]
+        elif B != 1:
+            raise ValueError(f"a packed call (cu_seqlens) takes one row; got {B} rows")
+        return packed_kda(self, hidden_states.reshape(B * T, D), cu).view(B, T, D)
+
+
+class _PerSequenceDSA:
+    """Mixin of glm5_next's DSA attention: a packed call runs transformers' forward once per sequence (the
+    indexer's pools and top-k then stay inside it). Returned top-k indices (for the next, "shared" layer) are
+    per-sequence, concatenated along T: [1, T, W]."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                past_key_values: Any = None, prev_topk_indices: torch.Tensor | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        cu = kwargs.pop(CU_KWARG, None)
+        if cu is None or past_key_values is not None or cu.numel() <= 2:
+            return super().forward(hidden_states, attention_mask, past_key_values=past_key_values,
+                                   prev_topk_indices=prev_topk_indices, **kwargs)
+        T = hidden_states.shape[1]
+        cut = lambda t, a, b: t[:, a:b] if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == T \
+            else t  # noqa: E731
+        outs, tops = [], []
+        bounds = cu.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b == a:
+                continue
+            sub = {name: cut(val, a, b) for name, val in kwargs.items()}
+            o, _, top = super().forward(cut(hidden_states, a, b), cut(attention_mask, a, b),
+                                        past_key_values=None, prev_topk_indices=cut(prev_topk_indices, a, b),
+                                        **sub)
+            outs.append(o)
+            tops.append(top)
+        top = None if tops[0] is None else torch.cat(tops, 1)
+        return torch.cat(outs, 1), None, top
+
+
+@functools.cache
+def _subclass(mixin: type, base: type) -> type:
+    """`mixin` over a transformers class, as a class of this module (picklable by name)."""
+    cls = type(f"Packed{base.__name__}", (mixin, base), {"__module__": __name__, "__doc__": mixin.__doc__})
+    globals()[cls.__name__] = cls
+    return cls
+
+
+def __getattr__(name: str) -> type:
+    """The patched classes by name (`PackedKimiLinearDeltaAttention`, ...), built on first use: a pickled
+    patched model unpickles in a process that has not patched one yet."""
+    for model_type, (_, kda_name, trunk_name, dsa_name) in KDA_MODELS.items():
+        pairs = ((_PackedTrunk, trunk_name), (_PackedKDA, kda_name), (_PerSequenceDSA, dsa_name))
+        for mixin, base_name in pairs:
+            if base_name is not None and name == f"Packed{base_name}":
+                return _subclass(mixin, getattr(_transformers_module(model_type), base_name))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def patch_linear_attention(hf: nn.Module) -> int:
+    """Make a kimi_linear / glm5_next HF model's packed forward per-sequence correct on Odyssey's KDA kernels
+    (module docstring), in place: its trunk, KDA layers and DSA layers change class to packing-aware
+    subclasses (same parameters, same state_dict). Any other model is left alone. Returns the number of KDA
+    layers patched (0: not a KDA hybrid). Idempotent."""
+    model_type = model_type_of(hf.config)
+    if model_type not in KDA_MODELS:
+        return 0
+    mod = _transformers_module(model_type)
+    _, kda_name, trunk_name, dsa_name = KDA_MODELS[model_type]
+    swaps = [(getattr(mod, trunk_name), _PackedTrunk), (getattr(mod, kda_name), _PackedKDA)]
+    if dsa_name is not None:
+        swaps.append((getattr(mod, dsa_name), _PerSequenceDSA))
+    n = 0
+    for module in hf.modules():
+        for base, mixin in swaps:
+            if type(module) is base:
+                module.__class__ = _subclass(mixin, base)
+                n += mixin is _PackedKDA
+    return n
+
+
+def hybrid_causal_lm_classes() -> dict[str, type]:
+    """model_type -> the transformers class HFPolicy loads for a KDA hybrid that AutoModelForCausalLM does not
+    map (glm5_next's causal LM is Glm5NextForConditionalGeneration: `model` + `lm_head`; text-only calls)."""
+    from transformers.models.glm5_next import Glm5NextForConditionalGeneration
+
+    return {"glm5_next": Glm5NextForConditionalGeneration}
+
+
+def register_hybrid_causal_lms() -> None:
+    """Register `hybrid_causal_lm_classes` with AutoModelForCausalLM (idempotent)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for model_type, cls in hybrid_causal_lm_classes().items():
+        AutoModelForCausalLM.register(type(AutoConfig.for_model(model_type)), cls, exist_ok=True)
+
+
+@contextlib.contextmanager
+def transformers_reference_kernels(model_type: str) -> Iterator[None]:
+    """Within it, transformers' KDA layers of `model_type` run transformers' own torch reference functions
+    (its chunked KDA and conv1d in torch), even where fla-core is installed (whose Triton kernels fail on
+    CPU). The oracle of tests/test_hf_hybrid.py and the baseline of bench/hf_hybrid.py."""
+    import inspect
+
+    mod = _transformers_module(model_type)
+    saved = {name: getattr(mod, name) for name in _TRANSFORMERS_KERNELS if hasattr(mod, name)}
+    try:
+        for name, fn in saved.items():
+            setattr(mod, name, inspect.unwrap(fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(mod, name, fn)
+
+
+__all__ = ["CU_KWARG", "KDA_MODELS", "hybrid_causal_lm_classes", "packed_kda", "patch_linear_attention",
+           "register_hybrid_causal_lms", "transformers_reference_kernels"]
