@@ -30,10 +30,14 @@ HFPolicy at construction, before anything runs) fixes this per layer:
   sequence (transformers' own forward on each slice), so pools and top-k never cross a boundary; kimi_linear's
   MLA layers need nothing: transformers builds them a block-diagonal mask from the packed position_ids.
 
-Everything else (norms, MoE, hyper-connections, MLA) stays transformers' code. A call with a cache
-(`past_key_values` / `cache_params`: generate, decoding) or with a padding mask takes transformers' own
-forward unchanged; decoding packed rows with per-row recurrent state is not built (TorchEngine refuses these
-models; rl/config/checks.py refuses them for rollout).
+Everything else (norms, MoE, hyper-connections, MLA) stays transformers' code. A call with a padding mask
+takes transformers' own forward unchanged. A call with a cache (`past_key_values` / `cache_params`;
+TorchEngine through HFPolicy.packed_logits: one forward per row, B = 1, on a transformers DynamicCache
+holding the row) runs `cached_kda`: each row carries, per KDA layer, its short-conv tail [1, 3HK, W-1]
+and recurrent state S [1, H, K, V] fp32 (`KDAState`), beside the attention layers' KV
+(kimi_linear's MLA latents; glm5_next's DSA K/V and indexer keys). A prefill, or a continuation of a row
+(a multi-turn observation), runs the same kernels from the row's states and returns the final ones; a decode
+step is the T = 1 case. A padded call takes transformers' own forward (HFPolicy never pads these models).
 
 Shapes: hidden states [B, T, D] (packed: B = 1), q, k, g [T, H, K], v [T, H, V], beta [T, H], conv input
 [T, 3HK] with taps [3HK, W].
@@ -44,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -115,20 +119,26 @@ class _PackedTrunk:
 
 # ------------------------------------------------------------------------------------------------ KDA layer
 def _recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                cu: torch.Tensor, bounded: bool) -> torch.Tensor:
-    """Recurrence (1) over packed sequences, fp32: q, k, g [T, H, K], v [T, H, V], beta [T, H], cu int [N+1]
-    -> o [T, H, V] fp32 (state 0 at every sequence start). q is used as given (already scaled by K^-1/2).
-    bounded: every g >= -5 by construction (the torch chunkwise form's dense tiles then fit fp32)."""
+                cu: torch.Tensor, bounded: bool,
+                initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recurrence (1) over packed sequences, fp32: q, k, g [T, H, K], v [T, H, V], beta [T, H], cu int [N+1],
+    initial_state [N, H, K, V] fp32 or None (zeros) -> (o [T, H, V] fp32, final state [N, H, K, V] fp32).
+    q is used as given (already scaled by K^-1/2). bounded: every g >= -5 by construction (the torch
+    chunkwise form's dense tiles then fit fp32)."""
     args = [t[None] for t in (q, k, v, g, beta)]
-    if q.device.type == "cpu" and kda_recurrent.applies(*args):
-        return kda_recurrent.recurrent_kda(*args, cu_seqlens=cu)[0][0]
-    if q.is_cuda and kda_fla.available():  # fla; its exact (token-parallel) path for a gate below -5
-        return kda.chunk_kda(*args, cu_seqlens=cu, check_decay_bound=not bounded)[0][0]
-    if bounded:
-        return kda_chunk.chunk_kda(*args, cu_seqlens=cu, check_decay_bound=False)[0][0]
-    bounds = cu.tolist()  # unbounded gate, no C++ kernels: the exact token-by-token reference per sequence
-    return torch.cat([naive_recurrent_kda(*(t[:, a:b] for t in args))[0][0]
-                      for a, b in zip(bounds[:-1], bounds[1:])])
+    S0 = None if initial_state is None else initial_state.float()
+    if q.device.type == "cpu" and kda_recurrent.applies(*args, S0):
+        o, S = kda_recurrent.recurrent_kda(*args, initial_state=S0, cu_seqlens=cu)
+    elif q.is_cuda and kda_fla.available():  # fla; its exact (token-parallel) path for a gate below -5
+        o, S = kda.chunk_kda(*args, initial_state=S0, cu_seqlens=cu, check_decay_bound=not bounded)
+    elif bounded:
+        o, S = kda_chunk.chunk_kda(*args, initial_state=S0, cu_seqlens=cu, check_decay_bound=False)
+    else:  # unbounded gate, no C++ kernels: the exact token-by-token reference per sequence
+        bounds = cu.tolist()
+        outs = [naive_recurrent_kda(*(t[:, a:b] for t in args), None if S0 is None else S0[n:n + 1])
+                for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        return torch.cat([o[0] for o, _ in outs]), torch.cat([s for _, s in outs])
+    return o[0].float(), S.float()
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -136,20 +146,37 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def packed_kda(layer: nn.Module, x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """One transformers KDA layer (its own parameters) over packed sequences, per-sequence state resets:
-    x [T, D] (N sequences at cu int32 [N+1]) -> y [T, D] in x's dtype; formulas in the module docstring."""
+class KDAState(NamedTuple):
+    """One sequence's decode state of one KDA layer (a row of HFPolicy's HFPackedCache): `conv` [1, 3HK, W-1]
+    the last W-1 inputs of the q/k/v short convolutions, oldest first (zeros before the sequence start; the
+    conv weight's dtype), `recurrent` [1, H, K, V] fp32 the state S of recurrence (1) after the row's last
+    token."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+def stateful_kda(layer: nn.Module, x: torch.Tensor, cu: torch.Tensor, conv_state: torch.Tensor | None = None,
+                 state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One transformers KDA layer (its own parameters) over N packed sequences, each continuing from its
+    given state: x [T, D] (sequence n at cu int32 [N+1]), conv_state [N, 3HK, W-1] (None: zeros, a fresh
+    sequence), state [N, H, K, V] fp32 (None: zeros) -> (y [T, D] in x's dtype, the new conv state
+    [N, 3HK, W-1], the new state S [N, H, K, V] fp32). Formulas in the module docstring; a decode step is
+    T = N, one token per sequence. Running a sequence in pieces, each from the previous piece's states,
+    equals running it whole (the short conv sees its last W-1 inputs, the recurrence its S)."""
     T = x.shape[0]
     H, K = layer.num_heads, layer.head_dim
     mixed = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1)  # [T, 3HK]
     w = layer.conv1d.weight.squeeze(1)  # [3HK, W] (fp32 in glm5_next checkpoints: keep_in_fp32)
     mixed = mixed.to(w.dtype)
+    if conv_state is not None:
+        conv_state = conv_state.to(w.dtype)
     if layer.conv1d.bias is None and layer.activation in ("silu", "swish"):
-        mixed = causal_short_conv_silu(mixed, w, cu)[0]  # fused kernel on fp32 CPU
+        mixed, conv_new = causal_short_conv_silu(mixed, w, cu, conv_state)  # fused kernel on fp32 CPU
     else:
         from transformers.activations import ACT2FN
 
-        y = causal_short_conv(mixed, w, cu)[0]
+        y, conv_new = causal_short_conv(mixed, w, cu, conv_state)
         mixed = ACT2FN[layer.activation](y if layer.conv1d.bias is None else y + layer.conv1d.bias)
     q, k, v = mixed.to(x.dtype).float().view(T, 3, H, K).unbind(1)
     q = _l2norm(q) * K**-0.5
@@ -158,19 +185,52 @@ def packed_kda(layer: nn.Module, x: torch.Tensor, cu: torch.Tensor) -> torch.Ten
     beta = torch.sigmoid(layer.b_proj(x)).float()  # [T, H]
     lower = getattr(layer.forget_gate, "safe_gate_lower_bound", None)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        o = _recurrence(q, k, v, g, beta, cu, bounded=lower is not None and lower >= -5.0)
+        o, S = _recurrence(q, k, v, g, beta, cu, bounded=lower is not None and lower >= -5.0,
+                           initial_state=state)
     gate = layer.g_b_proj(layer.g_a_proj(x)).view(T, H, K)
-    return layer.o_proj(layer.o_norm(o.to(x.dtype), gate).reshape(T, H * K))
+    return layer.o_proj(layer.o_norm(o.to(x.dtype), gate).reshape(T, H * K)), conv_new, S
+
+
+def packed_kda(layer: nn.Module, x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """One transformers KDA layer (its own parameters) over packed sequences, per-sequence state resets:
+    x [T, D] (N sequences at cu int32 [N+1]) -> y [T, D] in x's dtype; formulas in the module docstring."""
+    return stateful_kda(layer, x, cu)[0]
+
+
+def cached_kda(layer: nn.Module, hidden_states: torch.Tensor, cache: Any) -> torch.Tensor:
+    """A KDA layer's call with a transformers cache (HFPolicy's TorchEngine path, one forward per cache row
+    or B rows of T tokens each): hidden_states [B, T, D], each row one sequence continuing from the state in
+    `cache.layers[layer.layer_idx]` (a LinearAttentionLayer: `conv_states[0]` [B, 3HK, W-1],
+    `recurrent_states[0]` [B, H, K, V] fp32; both absent = a fresh sequence) -> y [B, T, D]. The new states
+    replace the layer's (new tensors: the ones read are never written, so a cache row shared by branches
+    stays intact)."""
+    B, T, D = hidden_states.shape
+    lc = cache.layers[layer.layer_idx]
+    fresh = not lc.has_previous_state[0]
+    conv = None if fresh else lc.conv_states[0]
+    S = None if fresh else lc.recurrent_states[0]
+    cu = torch.arange(0, B * T + 1, max(T, 1), dtype=torch.int32, device=hidden_states.device)[:B + 1]
+    y, conv_new, S_new = stateful_kda(layer, hidden_states.reshape(B * T, D), cu, conv, S)
+    lc.conv_states[0], lc.recurrent_states[0] = conv_new, S_new
+    lc.is_conv_states_initialized[0] = lc.is_recurrent_states_initialized[0] = True
+    lc.has_previous_state[0] = True
+    lc.conv_kernel_size[0] = layer.conv1d.weight.shape[-1]
+    if lc.device is None:
+        lc.dtype, lc.device = conv_new.dtype, conv_new.device
+    return y.view(B, T, D)
 
 
 class _PackedKDA:
-    """Mixin of a transformers KDA layer: a full-sequence call without cache runs `packed_kda`."""
+    """Mixin of a transformers KDA layer: a full-sequence call without cache runs `packed_kda`, a call with a
+    cache (no padding) `cached_kda`."""
 
     def forward(self, hidden_states: torch.Tensor, cache_params: Any = None,
                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         cu = kwargs.pop(CU_KWARG, None)
         padded = attention_mask is not None and not bool(attention_mask.all())
-        if cache_params is not None or padded:  # generate / decoding / padding: transformers' own path
+        if cache_params is not None and not padded:  # TorchEngine / decoding: Odyssey's stateful path
+            return cached_kda(self, hidden_states, cache_params)
+        if cache_params is not None or padded:  # padding: transformers' own path
             return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask,
                                    **kwargs)
         B, T, D = hidden_states.shape
@@ -252,6 +312,11 @@ def patch_linear_attention(hf: nn.Module) -> int:
     return n
 
 
+def has_kda_layers(hf: nn.Module) -> bool:
+    """True when `hf` holds KDA layers patched by `patch_linear_attention` (kimi_linear / glm5_next)."""
+    return any(isinstance(m, _PackedKDA) for m in hf.modules())
+
+
 def hybrid_causal_lm_classes() -> dict[str, type]:
     """model_type -> the transformers class HFPolicy loads for a KDA hybrid that AutoModelForCausalLM does not
     map (glm5_next's causal LM is Glm5NextForConditionalGeneration: `model` + `lm_head`; text-only calls)."""
@@ -286,5 +351,6 @@ def transformers_reference_kernels(model_type: str) -> Iterator[None]:
             setattr(mod, name, fn)
 
 
-__all__ = ["CU_KWARG", "KDA_MODELS", "hybrid_causal_lm_classes", "packed_kda", "patch_linear_attention",
-           "register_hybrid_causal_lms", "transformers_reference_kernels"]
+__all__ = ["CU_KWARG", "KDA_MODELS", "KDAState", "cached_kda", "has_kda_layers", "hybrid_causal_lm_classes",
+           "packed_kda", "patch_linear_attention", "register_hybrid_causal_lms", "stateful_kda",
+           "transformers_reference_kernels"]

@@ -29,6 +29,10 @@ Decoding (TorchEngine): `HFPackedCache` keeps one row per sequence, each a tuple
 token per row) runs as one batched forward: the rows' K/V right-padded to the longest, a 2-D padding mask and
 each row's own position; its result stays batched (`BatchedKV`) for the next step, so consecutive decode
 steps copy no rows, and rows are cut out only when sequences join or leave. Prefill chunks run row by row.
+A KDA hybrid (kimi_linear, glm5_next) keeps, per KDA layer of each row, a `KDAState` (short-conv tail
+[1, 3HK, W-1], recurrent state S [1, H, K, V] fp32) and per DSA layer (K, V, indexer keys); its rows always
+run one forward each (prefill chunks, observations and decode steps alike: `_per_row`), continuing from the
+row's states (model/hf_linear_attention.py `cached_kda`).
 
 Parameter names are the HF checkpoint's (`model.…`, `lm_head.weight`): the wrapper registers the HF model's
 two children under their own names, so `state_dict()` feeds vLLM's own model code and `save_pretrained`
@@ -52,7 +56,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.hf_linear_attention import patch_linear_attention, register_hybrid_causal_lms
+from model.hf_linear_attention import (
+    KDAState,
+    has_kda_layers,
+    patch_linear_attention,
+    register_hybrid_causal_lms,
+)
 
 ODYSSEY_MODEL_TYPE = "odyssey_moe"
 
@@ -261,10 +270,25 @@ class BatchedKV:
     buffers: tuple[KVBuffer, ...]
 
 
+def _row_length(row: tuple | None) -> int:
+    """Tokens held by one HFPackedCache row: the length of its first attention layer's K (a KDA layer's
+    state does not count tokens; every supported hybrid has an attention layer)."""
+    if row is None:
+        return 0
+    for entry in row:
+        if not isinstance(entry, KDAState):
+            return int(entry[0].shape[-2])
+    raise ValueError("an HFPackedCache row holds no attention layer, so its length is unknown; TorchEngine "
+                     "supports models with at least one attention layer")
+
+
 class HFPackedCache:
-    """KV cache of N sequences for TorchEngine: `rows` (row i: per layer (K, V) [1, H_kv, L_i, D_h], or None
-    for an empty row) or, straight out of a batched decode step, `batch` (BatchedKV; rows are cut out of it
-    only when asked for: select / concat / a prefill). Immutable: forwards return new caches."""
+    """KV cache of N sequences for TorchEngine: `rows` (row i: per layer (K, V) [1, H_kv, L_i, D_h] for an
+    attention layer, (K, V, indexer keys [1, L_i, D_idx] or None) for a DSA layer (glm5_next), `KDAState`
+    (short-conv tail [1, 3HK, W-1], recurrent state S [1, H, K, V] fp32) for a KDA layer (kimi_linear,
+    glm5_next); or None for an empty row) or, straight out of a batched decode step, `batch` (BatchedKV;
+    rows are cut out of it only when asked for: select / concat / a prefill). Immutable: forwards return
+    new caches."""
 
     def __init__(self, rows: tuple | None = None, batch: BatchedKV | None = None) -> None:
         if (rows is None) == (batch is None):
@@ -291,7 +315,7 @@ class HFPackedCache:
     def lengths(self) -> list[int]:
         if self._rows is None:
             return self.batch.valid.sum(1).tolist()
-        return [0 if r is None else int(r[0][0].shape[-2]) for r in self._rows]
+        return [_row_length(r) for r in self._rows]
 
     def __len__(self) -> int:
         return len(self._rows) if self._rows is not None else int(self.batch.valid.shape[0])
@@ -327,6 +351,8 @@ class HFPolicy(nn.Module):
                 "Use a model whose logits are a plain linear head"
             )
         patch_linear_attention(hf)  # kimi_linear / glm5_next: packed KDA layers, model/hf_linear_attention.py
+        #: a KDA hybrid: its TorchEngine cache rows carry per-layer KDA state (`KDAState`), decoded row by row
+        self.recurrent = has_kda_layers(hf)
         self.__dict__["hf"] = hf  # not registered: its two children are, under their own names
         self.model = hf.model
         self.lm_head = hf.lm_head
@@ -481,15 +507,26 @@ class HFPolicy(nn.Module):
 
     # ---- cached forward (TorchEngine) -----------------------------------------------------------
     def empty_cache(self, n: int) -> HFPackedCache:
-        """A cache of n empty rows. Sliding-window layers are refused (their cache drops old tokens, which
+        """A cache of n empty rows. Full-attention layers, and for the KDA hybrids (kimi_linear, glm5_next)
+        their KDA layers (per-row short-conv tails and recurrent state) and DSA layers (per-row indexer keys).
+        Sliding-window and other recurrent layers are refused (their cache drops old tokens or holds state
         this row layout does not track)."""
-        from transformers.cache_utils import DynamicCache, DynamicLayer
+        from transformers.cache_utils import (
+            DynamicCache,
+            DynamicIndexedLayer,
+            DynamicLayer,
+            LinearAttentionLayer,
+        )
 
         layers = DynamicCache(config=self.config).layers
-        if any(type(layer) is not DynamicLayer for layer in layers):
+        allowed: tuple[type, ...] = (DynamicLayer,)
+        if self.recurrent:
+            allowed = (DynamicLayer, DynamicIndexedLayer, LinearAttentionLayer)
+        if any(type(layer) not in allowed for layer in layers):
             kinds = sorted({type(layer).__name__ for layer in layers})
-            raise ValueError(f"TorchEngine's HF cache supports full-attention layers only; this model has "
-                             f"{kinds}. Use rollout.engine=vllm for it")
+            raise ValueError(f"TorchEngine's HF cache supports full-attention layers (and the KDA hybrids "
+                             f"kimi_linear, glm5_next) only; this model has {kinds}. Use rollout.engine=vllm "
+                             "for it")
         return HFPackedCache.empty(n)
 
     def packed_logits(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: HFPackedCache,
@@ -500,7 +537,7 @@ class HFPolicy(nn.Module):
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         if len(lens) != len(cache):
             raise ValueError(f"{len(lens)} sequences in cu_seqlens but {len(cache)} cache rows")
-        if len(lens) > 1 and all(n == 1 for n in lens) and min(cache.lengths) > 0:
+        if len(lens) > 1 and all(n == 1 for n in lens) and min(cache.lengths) > 0 and not self.recurrent:
             h, new = self._decode_batched(input_ids, cache)
         else:
             h, rows = self._per_row(input_ids, lens, cache)
@@ -510,18 +547,47 @@ class HFPolicy(nn.Module):
         return self.head_logits(h).float(), new
 
     def _dynamic_cache(self, data) -> object:
-        """A DynamicCache holding the (K, V) pairs of `data` per layer (None: empty) without copying them
-        (DynamicCache(ddp_cache_data=...) concatenates them onto empty tensors: one more copy a step)."""
+        """A DynamicCache holding one cache row `data` (None: empty) without copying it
+        (DynamicCache(ddp_cache_data=...) concatenates them onto empty tensors: one more copy a step): per
+        layer (K, V) [B, H_kv, L, D_h], (K, V, indexer keys [B, L, D_idx]) of a DSA layer, or a `KDAState`
+        of a KDA layer (read, and replaced with new tensors, by `cached_kda`)."""
         from transformers.cache_utils import DynamicCache
 
         dc = DynamicCache(config=self.config)
-        for layer, (k, v) in zip(dc.layers, data or ()):
+        for layer, entry in zip(dc.layers, data or ()):
+            if isinstance(entry, KDAState):
+                layer.conv_states[0], layer.recurrent_states[0] = entry.conv, entry.recurrent
+                layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+                layer.has_previous_state[0] = True
+                layer.dtype, layer.device = entry.conv.dtype, entry.conv.device
+                continue
+            k, v = entry[0], entry[1]
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
+            if len(entry) == 3 and entry[2] is not None:  # DSA: its indexer's keys (None: shared top-k)
+                layer.lazy_initialization_indexer(entry[2])
+                layer.indexer_keys = entry[2]
         return dc
 
+    @staticmethod
+    def _row_of(dc) -> tuple:
+        """The cache row (HFPackedCache layout) a DynamicCache holds after a forward: per layer (K, V),
+        (K, V, indexer keys) or KDAState."""
+        from transformers.cache_utils import DynamicIndexedLayer, LinearAttentionLayer
+
+        row = []
+        for layer in dc.layers:
+            if isinstance(layer, LinearAttentionLayer):
+                row.append(KDAState(layer.conv_states[0], layer.recurrent_states[0]))
+            elif isinstance(layer, DynamicIndexedLayer):
+                row.append((layer.keys, layer.values, layer.indexer_keys))
+            else:
+                row.append((layer.keys, layer.values))
+        return tuple(row)
+
     def _per_row(self, input_ids: torch.Tensor, lens: list[int], cache: HFPackedCache):
-        """The obvious path: one forward per sequence on its own DynamicCache."""
+        """The obvious path: one forward per sequence on its own DynamicCache (always taken by the KDA
+        hybrids, whose decode steps then run one row at a time)."""
         hs, rows, start = [], [], 0
         for n, row, past in zip(lens, cache.rows, cache.lengths):
             if n == 0:
@@ -532,7 +598,7 @@ class HFPolicy(nn.Module):
             out = self.model(input_ids=input_ids[None, start:start + n], position_ids=pos[None],
                              past_key_values=dc, use_cache=True)
             hs.append(out.last_hidden_state[0])
-            rows.append(tuple((layer.keys, layer.values) for layer in dc.layers))
+            rows.append(self._row_of(dc))
             start += n
         w = self.lm_head.weight
         h = torch.cat(hs) if hs else w.new_zeros(0, w.shape[1])

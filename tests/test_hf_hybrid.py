@@ -10,19 +10,26 @@ sequence at a time. Tolerances (fp32), measured values in docs/hf.md "Hybrid mod
   activation checkpointing, whose recomputation must see the packing too);
 - without the patch, transformers' packed forward leaks state: the first sequence is right, later ones are
   off by > 1e-2 (what the patch fixes);
-- config load refuses other hybrids (Gated DeltaNet, Mamba, ...) and KDA hybrids for rollout, naming why.
+- config load refuses other hybrids (Gated DeltaNet, Mamba, ...), and KDA hybrids for rollout on vLLM,
+  naming why; KDA hybrids load for rollout.engine=torch;
+- TorchEngine (per-row KDA state in HFPackedCache): cache rows continued by decode steps, multi-token
+  observations, forks (`select`) and `concat` == the full forward (fp32, <= 1e-4); greedy == transformers'
+  greedy loop, token for token; rollout log-probs of two-turn sessions of a group, and after a weight
+  update, == the learner's token_logprobs (<= 1e-4); one agent-loop episode on kimi_linear (<= 1e-4).
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from model.hf_linear_attention import patch_linear_attention, transformers_reference_kernels
-from model.hf_policy import HFPolicy, positions_from_cu_seqlens
+from model.hf_policy import HFPackedCache, HFPolicy, positions_from_cu_seqlens
 from model.tokenizer import load_tokenizer
 from rl.config import ConfigError, load_config
 
@@ -47,7 +54,7 @@ def make_kimi_linear(path, seed: int = 0) -> str:
     return str(path)
 
 
-def make_glm5_next(path, seed: int = 0) -> str:
+def make_glm5_next(path, seed: int = 0, index_heads: int = 2) -> str:
     """4 layers [KDA, DSA (own indexer), DSA (shared top-k), KDA], hyper-connections (2 streams), the last FFN
     MoE; a 1-block vision tower (unused: text-only calls). index_topk 8 over pools of 4: sparse at T = 70."""
     from transformers.models.glm5_next import Glm5NextConfig, Glm5NextForConditionalGeneration
@@ -57,7 +64,7 @@ def make_glm5_next(path, seed: int = 0) -> str:
         vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_local_experts=4,
         num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=0, v_head_dim=16,
-        qk_nope_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=2, index_kpool=4,
+        qk_nope_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=index_heads, index_kpool=4,
         linear_head_dim=16, linear_num_heads=2, hc_mult=2, pad_token_id=None, max_position_embeddings=1024,
         layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
         indexer_types=["full", "full", "shared", "full"])
@@ -214,11 +221,201 @@ def test_other_hybrids_are_refused_at_config_load(tmp_path, saved, needle):
     assert needle in msg and "no per-sequence state resets" in msg and "kimi_linear and glm5_next" in msg
 
 
-@pytest.mark.parametrize("engine", ["torch", "vllm"])
 @pytest.mark.parametrize("model_type", list(MAKERS))
-def test_kda_hybrids_are_refused_for_rollout_with_the_reason(tmp_path, model_type, engine):
+def test_kda_hybrids_load_for_torch_rollout_and_are_refused_for_vllm(tmp_path, model_type):
+    """rollout.engine=torch: the config loads (TorchEngine carries per-row KDA state); rollout.engine=vllm:
+    refused at config load, naming TorchEngine as the fix."""
+    cfg = _cfg(tmp_path, {"model_type": model_type, "vocab_size": V}, "rollout.engine=torch")
+    assert cfg.rollout.engine == "torch"
     with pytest.raises(ConfigError) as e:
-        _cfg(tmp_path, {"model_type": model_type, "vocab_size": V}, f"rollout.engine={engine}")
+        _cfg(tmp_path, {"model_type": model_type, "vocab_size": V}, "rollout.engine=vllm")
     msg = str(e.value)
-    assert f"{model_type} (a KDA hybrid) trains in Odyssey's learner" in msg
-    assert f"rollout.engine={engine} cannot generate with it yet" in msg
+    assert f"{model_type} (a KDA hybrid) trains in Odyssey's learner and generates with TorchEngine" in msg
+    assert "rollout.engine=vllm cannot generate with it yet" in msg
+    assert "Set rollout.engine=torch (TorchEngine)" in msg
+
+
+# ------------------------------------------------------------------------------------------------ TorchEngine
+# Per-row decode state (HFPackedCache rows: KDAState per KDA layer beside the attention layers' KV). Oracles:
+# the unpatched transformers model's full forward (a greedy loop that recomputes the whole sequence each
+# token: fla's kernels make transformers' `generate` unusable on CPU) and the learner's packed log-probs.
+PARITY_TOL = 1e-4
+#: glm5_next's DSA indexer picks its top-k pools with torch.topk over ReLU scores summed over the indexer
+#: heads; with 2 heads many pools tie at exactly 0, and transformers' full forward and its cached forward
+#: break those ties differently (different candidate counts), so learner and rollout log-probs differ at
+#: tied positions whatever the engine does. 16 heads (real checkpoints: 32+) leave no exact ties here.
+ENGINE_KW: dict[str, dict] = {"kimi_linear": {}, "glm5_next": {"index_heads": 16}}
+
+
+def _greedy_oracle(model_type: str, ref: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after `prompt`, each the argmax of transformers' full forward of the sequence."""
+    ids = list(prompt)
+    with transformers_reference_kernels(model_type):
+        for _ in range(n):
+            ids.append(int(ref(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, V, int(rng.integers(3, 14))).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=list(MAKERS))
+def engine_ckpt(request, tmp_path_factory) -> tuple[str, str]:
+    """(model_type, checkpoint directory) for the TorchEngine tests."""
+    path = tmp_path_factory.mktemp(f"{request.param}_engine")
+    return request.param, MAKERS[request.param](path, seed=1, **ENGINE_KW[request.param])
+
+
+@torch.no_grad()
+def test_cache_rows_continue_and_branch_like_the_full_forward(hybrid):
+    """HFPolicy.packed_logits on per-row state: a prefill, decode steps, an appended multi-token observation
+    (a continuation from the row's conv tails and recurrent state), and a fork of one row into three
+    (`select`, a GRPO group) that continue differently, then `concat` with a fresh row: every logit ==
+    HFPolicy's own full forward of that sequence (fp32, <= 1e-4). glm5_next's full forward is prefix
+    consistent only at its DSA k-pool ends (see the refusal test below), so its oracle here is transformers'
+    own cached forward (DynamicCache, one call per piece: what `generate` runs)."""
+    model_type, path = hybrid
+    policy = HFPolicy.from_pretrained(path).eval()
+    ref = reference(model_type, path).eval()
+    base = _prompts(1, seed=5)[0] + [11, 12, 13, 14, 15]
+
+    def oracle(pieces: list[list[int]]) -> torch.Tensor:
+        """Logits [sum len, V] of the pieces fed one after another."""
+        if model_type == "kimi_linear":
+            ids = torch.tensor([t for p in pieces for t in p])
+            return policy.head_logits(policy.packed_hidden(ids, torch.tensor([0, len(ids)]))).float()
+        from transformers.cache_utils import DynamicCache
+
+        dc = DynamicCache(config=ref.config.get_text_config())
+        with transformers_reference_kernels(model_type):
+            return torch.cat([ref(input_ids=torch.tensor([p]), past_key_values=dc, use_cache=True).logits[0]
+                              for p in pieces]).float()
+
+    cu = lambda *n: torch.tensor([0, *np.cumsum(n)], dtype=torch.int32)  # noqa: E731
+    lp, c = policy.packed_logits(torch.tensor(base[:9]), cu(9), policy.empty_cache(1))
+    got = [lp]
+    for t in base[9:]:  # decode steps
+        lp, c = policy.packed_logits(torch.tensor([t]), cu(1), c)
+        got.append(lp)
+    want = oracle([base[:9], *([t] for t in base[9:])])
+    assert (torch.cat(got) - want).abs().max().item() <= PARITY_TOL
+    obs = [21, 22, 23, 24, 25, 26, 27]
+    lo, c = policy.packed_logits(torch.tensor(obs), cu(7), c)  # a multi-turn observation continues the row
+    want = oracle([base[:9], *([t] for t in base[9:]), obs])
+    assert (lo - want[-7:]).abs().max().item() <= PARITY_TOL and c.lengths == [len(base) + 7]
+    saved = [tuple(t.clone() for t in entry if t is not None) for entry in c.rows[0]]
+    fork = c.select([0, 0, 0])  # a group forking from one prompt; the shared row stays intact
+    fresh = [31, 32, 33]
+    both = HFPackedCache.concat([fork, policy.empty_cache(1)])
+    steps = [[41, 42, 43], [44, 45, 46]]
+    ids = torch.tensor([*steps[0], *fresh])
+    lb, both = policy.packed_logits(ids, cu(1, 1, 1, 3), both)
+    lb2, both = policy.packed_logits(torch.tensor([*steps[1], 34]), cu(1, 1, 1, 1), both)
+    assert both.lengths == [len(base) + 9] * 3 + [4]
+    hist = [base[:9], *([t] for t in base[9:]), obs]
+    for i in range(3):
+        want = oracle([*hist, [steps[0][i]], [steps[1][i]]])[-2:]
+        assert (torch.stack([lb[i], lb2[i]]) - want).abs().max().item() <= PARITY_TOL
+    want = oracle([fresh, [34]])
+    assert (torch.cat([lb[3:], lb2[3:]]) - want).abs().max().item() <= PARITY_TOL
+    after = [tuple(t for t in entry if t is not None) for entry in c.rows[0]]  # the forked-from row: intact
+    assert all(torch.equal(a, b) for x, y in zip(saved, after) for a, b in zip(x, y))
+    again, _ = policy.packed_logits(torch.tensor([steps[0][0]]), cu(1), c)
+    assert (again[0] - lb[0]).abs().max().item() <= 1e-6  # 1-row vs 4-row matmuls: fp32 rounding only
+
+
+@torch.no_grad()
+def test_torch_engine_greedy_equals_the_transformers_greedy_loop(engine_ckpt):
+    """TorchEngine (batched requests joining and leaving, prefill in chunks of 5 tokens: continuations of a
+    row's state) greedy == the unpatched transformers model's greedy loop over full forwards, token for
+    token (log-probs: the sampled test below)."""
+    from rl.rollout.engine import GenerationRequest, TorchEngine
+    from rl.rollout.sampling import SamplingParams
+
+    model_type, path = engine_ckpt
+    policy = HFPolicy.from_pretrained(path)
+    engine = TorchEngine(policy, max_batch_size=2, prefill_chunk_size=5)
+    prompts = _prompts(3)
+    results = engine.generate([GenerationRequest(p, SamplingParams(temperature=0, max_new_tokens=8))
+                               for p in prompts])
+    ref = reference(model_type, path).eval()
+    for p, r in zip(prompts, results):
+        assert r.token_ids == _greedy_oracle(model_type, ref, p, 8)
+
+
+@torch.no_grad()
+def test_torch_engine_sessions_groups_and_weight_updates(engine_ckpt):
+    """Sampled two-turn sessions of a GRPO-style group (G = 3 requests of one prompt, rows forking and
+    rejoining the batch), then a weight update mid-session: every rollout log-prob == the learner's
+    token_logprobs of the whole conversation under the weights that sampled it (fp32, <= 1e-4), and the
+    turn after the update follows the new weights (its session's rows are rebuilt)."""
+    from rl.rollout.engine import GenerationRequest, TorchEngine
+    from rl.rollout.sampling import SamplingParams
+
+    model_type, path = engine_ckpt
+    policy = HFPolicy.from_pretrained(path)
+    engine = TorchEngine(policy, max_batch_size=2, prefill_chunk_size=16)
+    prompt = _prompts(1, seed=2)[0]
+    first = engine.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=6, seed=i))
+                             for i in range(3)])
+    obs = [[11, 12, 13], [14], [15, 16, 17, 18, 19]]
+    second = engine.generate([
+        GenerationRequest(o, SamplingParams(max_new_tokens=5, seed=10 + i), session=r.session)
+        for i, (o, r) in enumerate(zip(obs, first))])
+    assert len({tuple(r.token_ids) for r in first}) > 1  # the group's rows did branch
+
+    def check(pol: HFPolicy, turns: list[tuple[list[int], list[int], list[float]]]) -> None:
+        ids, want_at, got = [], [], []
+        for ctx, out, lps in turns:
+            ids += ctx
+            want_at += range(len(ids) - 1, len(ids) - 1 + len(out))
+            ids += out
+            got += lps
+        t = torch.tensor(ids)
+        lp = pol.token_logprobs(t[:-1], t[1:])
+        assert (torch.tensor(got) - lp[want_at]).abs().max().item() <= PARITY_TOL
+
+    for r1, o, r2 in zip(first, obs, second):
+        check(policy, [(prompt, r1.token_ids, r1.logprobs), (o, r2.token_ids, r2.logprobs)])
+    new = HFPolicy.from_pretrained(MAKERS[model_type](Path(tempfile.mkdtemp()), seed=7,
+                                                      **ENGINE_KW[model_type]))
+    engine.update_weights(new.state_dict(), version=1)
+    third = engine.generate([GenerationRequest([20, 21], SamplingParams(max_new_tokens=4, seed=30),
+                                               session=second[0].session)])[0]
+    hist = prompt + first[0].token_ids + obs[0] + second[0].token_ids
+    check(new, [(hist, [], []), ([20, 21], third.token_ids, third.logprobs)])
+    t = torch.tensor(hist + [20, 21] + third.token_ids)  # and not the old weights' (the engine's model moved)
+    stale = HFPolicy.from_pretrained(path).token_logprobs(t[:-1], t[1:])[-len(third.token_ids):]
+    assert (torch.tensor(third.logprobs) - stale).abs().max().item() > 1e-2
+
+
+@torch.no_grad()
+def test_kimi_linear_episode_through_the_agent_loop(tmp_path):
+    """One `odyssey`-level episode: a RolloutWorker-style agent loop on the built-in arith env, TorchEngine on
+    a kimi_linear checkpoint; the trajectory's rollout log-probs == the learner's packed log-probs on its
+    tokens (fp32, <= 1e-4) over the model's turns."""
+    path = make_kimi_linear(tmp_path / "kimi", seed=1)
+    traj = _one_episode(path)
+    t = torch.tensor(traj.tokens.astype(np.int64))
+    lp = HFPolicy.from_pretrained(path).token_logprobs(t[:-1], t[1:]).numpy()
+    m = traj.loss_mask[1:].astype(bool)
+    assert m.sum() > 0
+    assert np.abs(traj.rollout_logprobs[1:][m] - lp[m]).max() <= PARITY_TOL
+
+
+def _one_episode(path: str):
+    """One episode of the built-in arith env (in process) with TorchEngine on the checkpoint at `path`."""
+    import asyncio
+
+    import envs
+    from rl.rollout.agent_loop import ChatCodec, EpisodeConfig, run_episode
+    from rl.rollout.engine import TorchEngine
+
+    engine = TorchEngine(HFPolicy.from_pretrained(path))
+    env = envs.make("arith", difficulty=1, tools_in_prompt=False, use_sandbox=False)
+    cfg = EpisodeConfig(max_new_tokens=12, max_turns=2)
+    traj = asyncio.run(run_episode(engine, env, ChatCodec(load_tokenizer()), cfg, seed=3))
+    assert traj.metadata.get("infra_error") is None, traj.metadata
+    return traj

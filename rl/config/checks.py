@@ -259,7 +259,7 @@ def _hf_problems(c: RunConfig) -> list[str]:
 
 # HF hybrids whose linear-attention / state-space layers the learner's packed row cannot reset per sequence:
 # model_type -> what those layers are. kimi_linear and glm5_next (KDA) are made packing-correct by
-# model/hf_linear_attention.py (learner only); TorchEngine has no per-row recurrent + conv state for them yet.
+# model/hf_linear_attention.py (learner and TorchEngine; not the vLLM path yet).
 _KDA_HYBRIDS = ("kimi_linear", "glm5_next")
 _UNPACKED_HYBRIDS = {
     **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
@@ -275,19 +275,20 @@ _RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "ssm", "lightn
 
 def _hybrid_problems(saved: dict, where: str, engine: str) -> list[str]:
     """An HF checkpoint (config.json `saved`) with linear-attention or state-space layers: refused unless
-    Odyssey makes its packed forward per-sequence correct (kimi_linear, glm5_next: the learner only)."""
+    Odyssey makes its packed forward per-sequence correct (kimi_linear, glm5_next: the learner and
+    TorchEngine; refused for rollout.engine=vllm)."""
     text = saved.get("text_config") if isinstance(saved.get("text_config"), dict) else {}
     model_type = str(saved.get("model_type", ""))
     kind = _UNPACKED_HYBRIDS.get(model_type) or _UNPACKED_HYBRIDS.get(str(text.get("model_type", "")))
     layer_types = [str(t) for t in (saved.get("layer_types") or text.get("layer_types") or [])]
     odd = sorted({t for t in layer_types if any(w in t.lower() for w in _RECURRENT_LAYER_WORDS)})
     if model_type in _KDA_HYBRIDS:
-        return [f"{where}: {model_type} (a KDA hybrid) trains in Odyssey's learner (its KDA layers run "
-                "Odyssey's kernels with per-sequence state resets, model/hf_linear_attention.py), but "
-                f"rollout.engine={engine} cannot generate with it yet: per-row recurrent + conv state for "
-                "its linear layers is not built in TorchEngine or the vLLM path (issue 42). Use a "
-                "full-attention HF model or an Odyssey preset for RL runs; the learner API (HFPolicy) "
-                "accepts this checkpoint"]
+        if engine == "torch":  # TorchEngine carries per-row KDA state (model/hf_policy.py, HFPackedCache)
+            return []
+        return [f"{where}: {model_type} (a KDA hybrid) trains in Odyssey's learner and generates with "
+                f"TorchEngine (per-row recurrent + conv state, model/hf_linear_attention.py), but "
+                f"rollout.engine={engine} cannot generate with it yet: the vLLM path has no per-row KDA "
+                "state for it (issue 42). Set rollout.engine=torch (TorchEngine)"]
     if kind is None and not odd:
         return []
     what = f"{kind} layers" if kind else f"layers of type {', '.join(odd)}"
@@ -295,7 +296,7 @@ def _hybrid_problems(saved: dict, where: str, engine: str) -> list[str]:
             "one row, and Odyssey has no per-sequence state resets (cu_seqlens through the short "
             "convolutions and recurrences) for these layers, so every sequence after the first would train "
             "on state leaked from the one before it: silently wrong. Supported hybrids: kimi_linear and "
-            "glm5_next (KDA, learner only); otherwise use a full-attention model (Llama, Qwen2/3, Qwen3-MoE)"]
+            "glm5_next (KDA); otherwise use a full-attention model (Llama, Qwen2/3, Qwen3-MoE)"]
 
 
 def hf_attention_problems(saved: dict) -> list[str]:
