@@ -86,7 +86,8 @@ def test_context_parallel_group_equals_one_rank(ray_session):
 
 @pytest.mark.ray
 def test_two_ranks_equal_one_rank_on_an_hf_model(ray_session, tmp_path):
-    """DDP over an HF causal LM (model.hf_path, a random Llama): the same oracle as above (rel <= 2e-5)."""
+    """DDP over an HF causal LM (model.hf_path, a random Llama): the same oracle as above (weights rel
+    <= 1e-4, metrics rel <= 1e-5)."""
     from rl.config import RunConfig
     from tests.test_hf_policy import make_llama
 
@@ -103,8 +104,9 @@ def test_two_ranks_equal_one_rank_on_an_hf_model(ray_session, tmp_path):
     b = torch.cat([sd2[k].reshape(-1).float() for k in sd1])
     moved = float((a - torch.cat([init[k].reshape(-1).float() for k in sd1])).norm())
     # fp32: the all-reduce sums gradients in another order, which Adam's normalised update carries into the
-    # weights (measured 1.1e-5 here, against 1e-5 for Odyssey's model above)
-    assert moved > 0 and float((b - a).norm()) / moved <= 2 * REL
+    # weights, spread over every matrix (measured 1.1e-5 on one CPU, 2.8e-5 on another, deterministically;
+    # the grad norms agree to 1e-7). A DDP fault (a missing all-reduce, a wrong scale) moves them by > 1e-2.
+    assert moved > 0 and float((b - a).norm()) / moved <= 10 * REL
     for x, y in zip(m1, m2):
         for key in ("loss", "grad_norm", "tokens", "learner/tokens_scored"):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), key
