@@ -187,3 +187,27 @@ def test_converted_checkpoint_without_chat_template_fails_at_config_load(convert
     with pytest.raises(ConfigError, match=rf"model.hf_path={broken}: .*no chat template"):
         load_config(_write_config(tmp_path, str(broken)))
     shutil.rmtree(broken)
+
+
+def test_the_embedded_model_loads_as_a_policy_and_packs_exactly(converted: Path) -> None:
+    """HFPolicy loads the real converted checkpoint (its load-time packing probe passes at 30 layers) and the
+    learner's packed log-probs of two chats equal HF's own forward of each alone (fp32, <= 1e-4)."""
+    from transformers import AutoTokenizer
+
+    from model.hf_policy import HFPolicy
+
+    policy = HFPolicy.from_pretrained(converted).eval()
+    tok = AutoTokenizer.from_pretrained(converted)
+    chats = [[{"role": "user", "content": "What is 12 + 7?"}], [{"role": "user", "content": "Name a color."}]]
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    seqs = [torch.tensor(tok(t, add_special_tokens=False).input_ids) for t in texts]
+    ids = torch.cat(seqs)
+    targets = torch.cat([torch.cat([s[1:], s[:1]]) for s in seqs])  # each one's last target is unused
+    cu = torch.tensor([0, len(seqs[0]), len(ids)], dtype=torch.int32)
+    with torch.no_grad():
+        packed = policy.token_logprobs(ids, targets, cu)
+        for k, s in enumerate(seqs):
+            logits = policy.hf(input_ids=s[None]).logits[0, :-1].float()
+            alone = torch.log_softmax(logits, -1).gather(-1, s[1:, None])[:, 0]
+            got = packed[int(cu[k]) : int(cu[k]) + len(s) - 1]
+            assert (got - alone).abs().max().item() <= 1e-4, k
