@@ -444,6 +444,8 @@ GAE = ("learner.advantage=gae",)
 EPOCHS = ("learner.ppo_epochs=2",)  # PPO clipping acts from the second update of a batch (ratio 1 before)
 CRITIC = (*GAE, "learner.value_model=critic")
 L, T = "learner", learner_steps("turns")
+LORA = ("model.hf_path=<hf_checkpoint>",
+        "learner.lora={rank: 2, alpha: 4.0, target_modules: [q_proj, v_proj], dropout: 0.0}")
 PROBES |= {
     # learner: two real Learner steps on a fixed batch (the small policy of tests/learner_fixtures.py)
     "learner.advantage": Probe("learner.advantage=rloo", learner_steps(), start=L),
@@ -486,6 +488,12 @@ PROBES |= {
     # a group's common prompt computed once (HF policies): fewer tokens through the model, reported
     "learner.share_prefixes": Probe("learner.share_prefixes=false", learner_steps("shared"),
                                     base=("model.hf_path=<hf_checkpoint>",)),
+    # LoRA on the HF policy: only the adapters train; rank, alpha, targets and dropout change the steps
+    "learner.lora.rank": Probe("learner.lora.rank=4", learner_steps("shared"), LORA),
+    "learner.lora.alpha": Probe("learner.lora.alpha=64", learner_steps("shared"), LORA),
+    "learner.lora.target_modules": Probe("learner.lora.target_modules=[q_proj]", learner_steps("shared"),
+                                         LORA),
+    "learner.lora.dropout": Probe("learner.lora.dropout=0.5", learner_steps("shared"), LORA),
     "learner.activation_checkpointing": Probe(
         "learner.activation_checkpointing=true", learner_steps(), start=L
     ),

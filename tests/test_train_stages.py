@@ -53,6 +53,8 @@ def test_gates_steps_or_eval_success_whichever_first_and_the_last_stage_never_ad
     [
         ("[{name: a, set: {model.preset: small}, until_steps: 1}, {name: b}]", "set.model.preset: a stage"),
         ("[{name: a, set: {learner.group_size: 8}, until_steps: 1}, {name: b}]", "fixed for the whole run"),
+        ("[{name: a, set: {learner.lora.rank: 4}, until_steps: 1}, {name: b}]",
+         "set.learner.lora.rank: fixed for the whole run"),
         ("[{name: a}, {name: b}]", "every stage but the last needs a gate"),
         ("[{name: a, until_steps: 1}, {name: b, until_steps: 1}]", "the last stage runs until learner.steps"),
         ("[{name: a, until_steps: 1}, {name: a}]", "used twice"),

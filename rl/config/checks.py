@@ -44,6 +44,7 @@ def config_problems(c: RunConfig, io: bool = True) -> list[str]:
         + _registry_problems(c)
         + _init_from_problems(c.model)
         + _hf_problems(c)
+        + _lora_problems(c)
         + (_model_problems(c.model) if not is_hf_policy(c.model) else [])
         + _reward_problems(c.rewards)
         + _env_problems(c.env, c.rewards)
@@ -255,6 +256,48 @@ def _hf_problems(c: RunConfig) -> list[str]:
         out.append(f"{where}: the model's vocab_size ({vocab}) is smaller than {whose} ({n_tok} tokens); "
                    f"token ids would overflow its embedding. Use a model with vocab_size >= {n_tok}")
     return out
+
+
+def _lora_problems(c: RunConfig) -> list[str]:
+    """learner.lora: an HF policy (Odyssey's layers read their projection weights directly, so an adapter
+    layer would be bypassed), and every target module names a Linear layer of the model's trunk (read from
+    the checkpoint's config.json: the model is built on the meta device, no weights are read)."""
+    lora, m = c.learner.lora, c.model
+    if lora is None:
+        return []
+    if not is_hf_policy(m):
+        return ["learner.lora needs a Hugging Face policy (model.hf_path): Odyssey's own model reads its "
+                "KDA projection weights directly (concatenated q/k/v, fused CPU kernels), which an adapter "
+                "layer would not change. Set model.hf_path, or remove learner.lora to fine-tune fully"]
+    try:
+        linears = _trunk_linear_names(m.checkpoint)
+    except (OSError, ValueError, KeyError) as e:  # _hf_problems names an unreadable checkpoint
+        return [f"learner.lora: cannot read the module names of {m.checkpoint!r} ({e})"]
+    out = []
+    suffixes = sorted({n.rsplit(".", 1)[-1] for n in linears})
+    for t in lora.target_modules:
+        if not any(n == t or n.endswith("." + t) for n in linears):
+            head = (" (the LM head and the embeddings take no adapter: the learner reads lm_head.weight as "
+                    "a matrix)" if t.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens") else "")
+            out.append(f"learner.lora.target_modules: {t!r} names no Linear layer of the model's trunk"
+                       f"{head}; its Linear layers are {', '.join(suffixes)}. Use those names")
+    return out
+
+
+def _trunk_linear_names(checkpoint: str) -> list[str]:
+    """Names of the nn.Linear modules of an HF checkpoint's trunk (`model`), relative to it; the model is
+    built from its config.json on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from model.hf_linear_attention import register_hybrid_causal_lms
+
+    register_hybrid_causal_lms()
+    config = AutoConfig.from_pretrained(str(Path(checkpoint).expanduser()), local_files_only=True)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    trunk = getattr(hf, "model", hf)
+    return [n for n, mod in trunk.named_modules() if isinstance(mod, torch.nn.Linear)]
 
 
 # HF hybrids whose linear-attention / state-space layers the learner's packed row cannot reset per sequence:

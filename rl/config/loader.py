@@ -270,13 +270,14 @@ def validate_config(data: dict[str, Any], source: str | Path | None = None, io: 
 
 STAGE_PREFIXES = ("env.", "rollout.", "learner.", "rewards.")
 # keys a stage cannot change: the run's length, its seeds (task identity), and what checkpoints and the
-# experience buffer are built around (group shape, advantage estimator, value model)
+# experience buffer are built around (group shape, advantage estimator, value model, LoRA adapters)
 FIXED_KEYS = (
     "learner.steps",
     "learner.group_size",
     "learner.advantage",
     "learner.value_model",
     "learner.critic_preset",
+    "learner.lora",
     "learner.seed",
     "rollout.seed",
 )
@@ -314,7 +315,7 @@ def stage_problems(cfg: RunConfig) -> list[str]:
                     f"{where}: set.{key}: a stage sets keys under {', '.join(STAGE_PREFIXES)} only "
                     "(the model, orchestrator and logging are the run's)"
                 )
-            elif key in FIXED_KEYS:
+            elif any(key == k or key.startswith(k + ".") for k in FIXED_KEYS):
                 out.append(f"{where}: set.{key}: fixed for the whole run (one of {', '.join(FIXED_KEYS)})")
         gated = s.until_steps is not None or s.until_eval_success is not None
         if i < n - 1 and not gated:

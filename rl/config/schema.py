@@ -105,6 +105,17 @@ class RolloutSection(_Section):
     max_infra_fraction: float = Field(0.5, gt=0.0, le=1.0)
 
 
+class LoraSection(_Section):
+    """LoRA adapters (rl/learner/lora.py, docs/learner.md "LoRA"): only these low-rank weights train."""
+
+    rank: int = Field(8, ge=1)  # r: the adapters' inner dimension
+    alpha: float = Field(16.0, gt=0.0)  # the update is (alpha / rank) B A
+    # names of the trunk's Linear layers; a name matches every module whose name ends in "." + it
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      min_length=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the adapter's input, in the learner's forwards
+
+
 class LearnerSection(_Section):
     """Policy optimisation (rl/learner/, docs/learner.md): advantages, loss, off-policy correction, optimiser,
     packing and data parallelism."""
@@ -154,6 +165,8 @@ class LearnerSection(_Section):
     # ranks one micro-batch is split across, in contiguous shards (model/context_parallel.py); 1 = off
     context_parallel: int = Field(1, ge=1)
     seed: int = 0  # model init and minibatch order
+    # train LoRA adapters only (HF policies); the engines get merged weights. null = full fine-tuning
+    lora: LoraSection | None = None
 
     @field_validator("betas")
     @classmethod
@@ -297,6 +310,7 @@ __all__ = [
     "EnvSection",
     "LearnerSection",
     "LoggingSection",
+    "LoraSection",
     "ModelSection",
     "OrchestratorSection",
     "RewardEntry",

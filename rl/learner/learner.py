@@ -53,6 +53,7 @@ from rl.learner.allocator import fix_mmap_threshold
 from rl.learner.batch import ModelFacts, PreparedBatch, Sample, prepare_batch
 from rl.learner.estimators import estimator
 from rl.learner.forward import TrainModule
+from rl.learner.lora import adapter_state_dict, apply_lora, load_adapter_state_dict, merged_state_dict
 from rl.learner.losses import aggregation_weights, objective, value_loss
 from rl.learner.off_policy import correction_weights
 from rl.learner.optim import build_optimizer, build_scheduler, clip_gradients
@@ -66,6 +67,7 @@ from rl.trajectory import Trajectory
 
 STATE_FILE = "learner_state.pt"
 POLICY_DIR = "policy"
+ADAPTER_FILE = "lora_adapter.safetensors"  # learner.lora: the adapter weights (the base: the config's model)
 
 
 @dataclass
@@ -172,7 +174,10 @@ class Learner:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        self.policy = master_policy(cfg).to(self.device)
+        self.policy = master_policy(cfg)
+        if lc.lora is not None:  # adapters only train; the base weights are frozen (rl/learner/lora.py)
+            apply_lora(self.policy, lc.lora, seed=lc.seed)
+        self.policy = self.policy.to(self.device)
         if lc.activation_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.estimator = estimator(lc.advantage)
@@ -254,10 +259,12 @@ class Learner:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights for the rollout engines (weight sync): CPU copies, floating parameters in
-        model.dtype (the router biases stay fp32, as the model keeps them)."""
+        model.dtype (the router biases stay fp32, as the model keeps them). With learner.lora the adapters
+        are merged into their base weights, under the base model's names (rl/learner/lora.py)."""
         dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+        weights = merged_state_dict(self.policy) if self.lc.lora is not None else self.policy.state_dict()
         out = {}
-        for k, v in self.policy.state_dict().items():
+        for k, v in weights.items():
             keep = not v.is_floating_point() or k.endswith("e_score_correction_bias")
             out[k] = v.detach().to("cpu", dtype=None if keep else dtype, copy=True)
         return out
@@ -265,10 +272,16 @@ class Learner:
     def save(self, path: str | Path) -> Path:
         """Write the policy (save_pretrained: rollouts can start from it, model.init_from=<path>/policy), the
         value model, optimizer, scheduler, counters and RNG states to `path`. The balancer's state is the
-        router biases, which are model buffers."""
+        router biases, which are model buffers. With learner.lora only the adapter weights are written
+        (ADAPTER_FILE): the frozen base is the config's model."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.policy.save_pretrained(path / POLICY_DIR)
+        if self.lc.lora is not None:
+            from safetensors.torch import save_file
+
+            save_file(adapter_state_dict(self.policy), str(path / ADAPTER_FILE))
+        else:
+            self.policy.save_pretrained(path / POLICY_DIR)
         state = {
             "value": self.module.value.state_dict() if self.module.value is not None else None,
             "optimizer": self.optimizer.state_dict(),
@@ -294,9 +307,19 @@ class Learner:
             raise FileNotFoundError(
                 f"{path} holds no learner checkpoint ({STATE_FILE}); was it written by Learner.save?"
             )
-        saved = type(self.policy).from_pretrained(str(path / POLICY_DIR), dtype=torch.float32)
-        self.policy.load_state_dict(saved.state_dict())  # in place: the optimizer keeps its parameters
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        if self.lc.lora is not None:
+            from safetensors.torch import load_file
+
+            saved_lora = state.get("learner_config", {}).get("lora")
+            if not (path / ADAPTER_FILE).is_file() or saved_lora != self.lc.lora.model_dump(mode="json"):
+                raise ValueError(
+                    f"{path} holds no LoRA adapter of this learner.lora ({self.lc.lora.model_dump()}; the "
+                    f"checkpoint's: {saved_lora}): resume with the learner.lora it was written with")
+            load_adapter_state_dict(self.policy, load_file(str(path / ADAPTER_FILE)))
+        else:
+            saved = type(self.policy).from_pretrained(str(path / POLICY_DIR), dtype=torch.float32)
+            self.policy.load_state_dict(saved.state_dict())  # in place: the optimizer keeps its parameters
         if state["value"] is not None:
             self.module.value.load_state_dict(state["value"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -650,4 +673,4 @@ class Learner:
         return loss
 
 
-__all__ = ["Learner", "StepStats", "master_policy", "STATE_FILE", "POLICY_DIR"]
+__all__ = ["Learner", "StepStats", "master_policy", "STATE_FILE", "POLICY_DIR", "ADAPTER_FILE"]

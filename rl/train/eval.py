@@ -123,10 +123,17 @@ def table(metrics: dict[str, Any], k: int, title: str) -> Table:
 def policy_dir(checkpoint: str | Path) -> Path:
     """The save_pretrained directory of `checkpoint`: itself (a warm-up or any saved policy), or
     <checkpoint>/learner/policy (a training checkpoint, rl/train/checkpoint.py)."""
+    from rl.learner.learner import ADAPTER_FILE
+
     p = Path(checkpoint).expanduser().resolve()
     for cand in (p, p / "learner" / "policy", p / "policy"):
         if (cand / "config.json").is_file():
             return cand
+    if any((d / ADAPTER_FILE).is_file() for d in (p, p / "learner")):
+        raise ValueError(
+            f"--checkpoint {checkpoint}: a learner.lora checkpoint holds only its LoRA adapter "
+            f"({ADAPTER_FILE}), no policy; evaluating one is not supported yet: resume training from it, or "
+            "evaluate a full fine-tuning checkpoint")
     raise ValueError(
         f"--checkpoint {checkpoint}: no policy there (expected config.json in it, in learner/policy/ of a "
         "training checkpoint, or in policy/); training checkpoints live in <run_dir>/checkpoints/step-NNNNNN"

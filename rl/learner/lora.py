@@ -1,0 +1,109 @@
+"""LoRA (`learner.lora`): low-rank adapters on an HF policy's Linear layers; only the adapters train.
+
+    apply_lora(policy, cfg.learner.lora)   # peft LoRA layers on the trunk's target Linears; the rest frozen
+    merged_state_dict(policy)              # the engines' weights: W + (alpha / rank) B A, the base names
+    adapter_state_dict(policy)             # lora_A / lora_B only: what a checkpoint stores
+
+The adapters are peft's own LoRA layers (`peft.inject_adapter_in_model` on the policy's `model` trunk): each
+target `nn.Linear` becomes base(x) + (alpha / rank) B(A(dropout(x))), A initialised like peft (Kaiming), B at
+zero, so the first forward equals the base model's. A target name matches a module whose name is the name or
+ends in "." + name (peft's rule: `q_proj` takes every layer's q_proj, `layers.0.self_attn.q_proj` one).
+
+Only the trunk takes adapters: the learner's chunked LM head reads `lm_head.weight` as a matrix, so an adapter
+on lm_head (or on the tied embedding) would be bypassed; the config check refuses it. Odyssey's own model is
+refused too (rl/config/checks.py): its KDA layers read q/k/v weights directly (concatenated, and in the fused
+CPU kernels), which an adapter wrapper never sees.
+
+Weight sync is merged: the rollout engines (TorchEngine, VllmEngine) receive full weights W + (alpha/rank) B A
+under the base model's parameter names, so they need no LoRA support; the price is a full-size broadcast per
+step, as in full fine-tuning.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ADAPTER = "default"  # peft's adapter name; one adapter per policy
+
+
+def apply_lora(policy: nn.Module, lora, seed: int = 0) -> nn.Module:
+    """Wrap the target Linear layers of `policy` (an `model.hf_policy.HFPolicy`) with peft LoRA layers of
+    `lora` (rl.config LoraSection: rank, alpha, target_modules, dropout) and freeze every other parameter.
+    The adapters' initial weights are drawn with `seed` inside a forked RNG (the same in every process, and
+    the global RNG untouched). In place; returns `policy`."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from model.hf_policy import HFPolicy
+
+    if not isinstance(policy, HFPolicy):
+        raise ValueError(
+            f"learner.lora applies to Hugging Face policies (model.hf_path) only, not "
+            f"{type(policy).__name__}: its layers read their projection weights directly, which an adapter "
+            "would not change. Remove learner.lora to fine-tune fully, or set model.hf_path")
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                        lora_dropout=lora.dropout, bias="none")
+    policy.requires_grad_(False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(config, policy.model, adapter_name=ADAPTER)
+    for name, p in policy.named_parameters():
+        p.requires_grad_(is_adapter_key(name))
+    return policy
+
+
+def is_adapter_key(name: str) -> bool:
+    """A parameter (or state_dict key) of a LoRA adapter (lora_A / lora_B)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def has_lora(policy: nn.Module) -> bool:
+    """Whether `policy` carries LoRA layers (apply_lora ran on it)."""
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(m, LoraLayer) for m in policy.modules())
+
+
+def adapter_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter weights (detached CPU copies), under the policy's own key names."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items() if is_adapter_key(k)}
+
+
+def load_adapter_state_dict(policy: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy saved adapter weights into `policy` in place (the optimizer keeps its parameters). The keys must
+    be exactly the policy's adapter keys: a checkpoint of another rank or target set is refused."""
+    own = {k for k in policy.state_dict() if is_adapter_key(k)}
+    missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
+    if missing or unexpected:
+        raise ValueError(
+            f"the checkpoint's LoRA adapter does not match this learner's (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}): resume with the learner.lora (rank, target_modules) it was written with")
+    own_params = dict(policy.named_parameters())
+    with torch.no_grad():
+        for k, v in state.items():
+            own_params[k].copy_(v)
+
+
+@torch.no_grad()
+def merged_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's state_dict with every LoRA layer merged: `<m>.weight` = base W + (alpha / rank) B A,
+    `<m>.bias` = the base bias, no adapter keys. The names are those of the policy without adapters, which
+    the rollout engines load. Tensors are the policy's own except the merged weights (new tensors)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: m for name, m in policy.named_modules() if isinstance(m, LoraLayer)}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in policy.state_dict().items():
+        if is_adapter_key(k):
+            continue
+        if ".base_layer." in k:
+            owner, rest = k.split(".base_layer.", 1)
+            k = f"{owner}.{rest}"
+            if rest == "weight":
+                v = v + layers[owner].get_delta_weight(ADAPTER).to(v.dtype)
+        out[k] = v
+    return out
+
+
+__all__ = ["ADAPTER", "adapter_state_dict", "apply_lora", "has_lora", "is_adapter_key",
+           "load_adapter_state_dict", "merged_state_dict"]
