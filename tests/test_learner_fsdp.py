@@ -20,9 +20,15 @@ from tests.learner_fixtures import ragged_batch, small_config
 
 BACKEND = os.environ.get("ODYSSEY_LEARNER_BACKEND", "gloo")
 # fp32: FSDP reduce-scatters every micro-batch's gradient (the single rank sums them in one buffer), so the
-# sums run in another order; Adam's normalised update carries that into the weights (measured <= 3e-6 rel).
-REL = 1e-4
+# sums run in another order; Adam's normalised update carries that into the weights, most where a gradient is
+# near zero (rarely hit embedding rows of the HF Llama's 4096-token vocabulary). Measured (weights, rel to how
+# far they moved): Odyssey <= 6.7e-6, HF Llama <= 1.2e-4 (4 ranks, 3 steps). A fault (a missing reduction, a
+# wrong scale, a stale shard) moves them by > 1e-2.
+REL = {"odyssey": 1e-4, "hf": 5e-4}
 METRIC_REL = 1e-5
+# the grad norm is summed from each rank's shard of per-micro-batch reduce-scattered fp32 gradients (measured
+# <= 1.5e-6 rel on Odyssey's model, 1.3e-5 on the HF Llama)
+GRAD_NORM_REL = 1e-4
 BYTES_REL = 0.10  # per-rank bytes within 10% of the unsharded total / N (FSDP pads dim 0 to N rows)
 
 
@@ -69,7 +75,8 @@ def _run(cfg, batches: list, tmp_path):
     return init, g_init, steps, final, (single.memory_bytes(), sharded_bytes)
 
 
-def _check(init, g_init, steps, final, memory, n_ranks: int, metric_keys) -> None:
+def _check(init, g_init, steps, final, memory, n_ranks: int, metric_keys, model: str) -> None:
+    """The oracle (module docstring) with the tolerances above; model: "odyssey" | "hf" (REL's key)."""
     keys = list(init)
     assert set(g_init) == set(keys)
     assert torch.equal(_flat(g_init, keys), _flat(init, keys).to(_flat(g_init, keys).dtype))
@@ -83,12 +90,13 @@ def _check(init, g_init, steps, final, memory, n_ranks: int, metric_keys) -> Non
         rel = float((b - a).norm()) / moved
         print(f"step {i + 1}: weights rel {rel:.2e}, loss rel {abs(m2['loss'] / m1['loss'] - 1):.2e}, "
               f"grad_norm rel {abs(m2['grad_norm'] / m1['grad_norm'] - 1):.2e}")
-        assert rel <= REL, (i, rel)
+        assert rel <= REL[model], (i, rel)
         for k in keys:
-            if k.endswith("e_score_correction_bias"):  # the balancer saw the whole step's tokens on every rank
+            if k.endswith("e_score_correction_bias"):  # the balancer saw the whole step on every rank
                 assert torch.allclose(sd1[k], sd2[k], atol=1e-6), k
         for key in metric_keys:
-            assert m2[key] == pytest.approx(m1[key], rel=METRIC_REL, abs=1e-9), (i, key)
+            tol = GRAD_NORM_REL if key == "grad_norm" else METRIC_REL
+            assert m2[key] == pytest.approx(m1[key], rel=tol, abs=1e-9), (i, key)
     last = steps[-1][2]  # the resumed group continued exactly where the uninterrupted one went
     assert float((_flat(final, keys) - _flat(last, keys)).norm()) <= 1e-6 * float(_flat(last, keys).norm())
     single, per_rank = memory
@@ -108,7 +116,7 @@ def test_fsdp_ranks_equal_one_rank_on_odyssey(ray_session, tmp_path, n_ranks):
     batches = [ragged_batch(seed=11), ragged_batch(seed=12, n_groups=1, group_size=3), ragged_batch(seed=13)]
     out = _run(cfg, batches, tmp_path)
     _check(*out, n_ranks, ("loss", "grad_norm", "tokens", "learner/tokens_scored", "learner/entropy",
-                           "moe/load_cv_mean"))
+                           "moe/load_cv_mean"), "odyssey")
 
 
 @pytest.mark.ray
@@ -126,4 +134,55 @@ def test_fsdp_ranks_equal_one_rank_on_an_hf_model(ray_session, tmp_path, n_ranks
     batches = [ragged_batch(seed=s, routed=False) for s in (11, 13)]
     batches.insert(1, ragged_batch(seed=12, n_groups=1, group_size=3, routed=False))
     out = _run(cfg, batches, tmp_path)
-    _check(*out, n_ranks, ("loss", "grad_norm", "tokens", "learner/tokens_scored"))
+    _check(*out, n_ranks, ("loss", "grad_norm", "tokens", "learner/tokens_scored"), "hf")
+
+
+def test_sharding_config_problems_name_what_exists():
+    """ep / fsdp+ep are refused as not built yet, naming the values that exist; FSDP with sequence chunking or
+    context parallelism is refused naming the key to change."""
+    from rl.config import ConfigError, load_config
+
+    with pytest.raises((ConfigError, ValueError)) as e:
+        load_config("configs/tiny.yaml", ["learner.sharding=fsdp+ep", "learner.num_ranks=2"])
+    assert "learner.sharding=fsdp+ep (expert parallelism) is not built yet" in str(e.value)
+    assert "'fsdp' (FSDP2" in str(e.value)
+    with pytest.raises((ConfigError, ValueError)) as e:
+        load_config("configs/tiny.yaml", ["learner.sharding=fsdp", "learner.num_ranks=2",
+                                          "learner.sequence_chunk_tokens=1024"])
+    assert "set learner.sequence_chunk_tokens=0 or learner.sharding=none" in str(e.value)
+    cfg = load_config("configs/tiny.yaml", ["learner.sharding=fsdp", "learner.num_ranks=2"])
+    assert cfg.learner.sharding == "fsdp" and cfg.learner.fsdp_param_dtype == "auto"
+
+
+@pytest.mark.ray
+def test_fsdp_bf16_parameters_move_the_step(ray_session, tmp_path):
+    """learner.fsdp_param_dtype=bfloat16 (fp32 reduce): the units compute in bf16 after the all-gather, so
+    the step differs from the fp32 one (rel > 1e-3) but stays near it (rel < 0.2); bfloat16 reduction too
+    moves the loss again. Master weights stay fp32."""
+    from rl.config import RunConfig
+    from tests.test_hf_policy import make_llama
+
+    hf_dir = make_llama(tmp_path / "llama", vocab_size=4096)
+    base = {"group_size": 4, "num_ranks": 2, "sharding": "fsdp", "micro_batch_tokens": 80, "lr": 1e-3}
+    batch = ragged_batch(seed=11, routed=False)
+    out = {}
+    for name, dtypes in (("fp32", {}), ("bf16", {"fsdp_param_dtype": "bfloat16"}),
+                         ("bf16_reduce", {"fsdp_param_dtype": "bfloat16", "fsdp_reduce_dtype": "bfloat16"})):
+        cfg = RunConfig.model_validate({"model": {"hf_path": hf_dir}, "learner": {**base, **dtypes}})
+        group = _group(cfg)
+        try:
+            init = group.state_dict()
+            m = group.step(batch)
+            out[name] = (init, m, group.state_dict())
+        finally:
+            group.shutdown()
+    init, m32, sd32 = out["fp32"]
+    _, m16, sd16 = out["bf16"]
+    keys = list(init)
+    assert all(v.dtype == torch.float32 for v in sd16.values())
+    moved = float((_flat(sd32, keys) - _flat(init, keys)).norm())
+    rel = float((_flat(sd16, keys) - _flat(sd32, keys)).norm()) / moved
+    print(f"bf16 params: weights rel {rel:.2e}, loss {m16['loss']:.6f} vs {m32['loss']:.6f}")
+    assert 1e-3 < rel < 0.2
+    assert m16["loss"] == pytest.approx(m32["loss"], rel=0.05) and m16["loss"] != m32["loss"]
+    assert out["bf16_reduce"][1]["grad_norm"] != m16["grad_norm"]

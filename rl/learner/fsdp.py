@@ -95,7 +95,8 @@ def shard_train_module(module: nn.Module, device: torch.device, param_dtype: str
         raise ValueError("the module is already sharded with FSDP; build a fresh one")
     # fp32 everywhere: no policy at all (FSDP2 then leaves the forward inputs alone)
     pd, rd = resolve_dtype(param_dtype, device), resolve_dtype(reduce_dtype, device)
-    pd, rd = (None if pd == torch.float32 else pd), (None if rd == torch.float32 else rd)
+    if pd == torch.float32 and rd == torch.float32:
+        pd = rd = None
     blocks = decoder_blocks(module)
     if not blocks:
         raise ValueError(f"found no decoder layers (an nn.ModuleList named 'layers') in "
