@@ -114,8 +114,16 @@ class LearnerGroup:
         facts = ray.get([r.setup.remote(address, port) for r in self.ranks])
         self.facts: ModelFacts = facts[0]
         self.policy_steps = 0
-        # FSDP: gathering the weights is collective, so every rank is called and rank 0 answers
-        self.gathering = self.ranks if cfg.learner.sharding == "fsdp" else self.ranks[:1]
+
+    @property
+    def gathering(self) -> list:
+        """The ranks a weight gather calls: all of them under FSDP (the gather is collective; rank 0 answers),
+        else rank 0 alone (every rank holds the same weights)."""
+        return self.ranks if self.cfg.learner.sharding == "fsdp" else self.ranks[:1]
+
+    def state_dict_ref(self) -> Any:
+        """ObjectRef of rank 0's `state_dict()` (the other ranks, under FSDP, take part in the gather)."""
+        return [r.state_dict.remote() for r in self.gathering][0]
 
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One data-parallel policy step (module docstring); the metrics of Learner.step."""
@@ -140,7 +148,7 @@ class LearnerGroup:
         """Rank 0's policy weights (every rank holds the same) for the rollout engines."""
         import ray
 
-        return ray.get([r.state_dict.remote() for r in self.gathering])[0]
+        return ray.get(self.state_dict_ref())
 
     def save(self, path: str | Path) -> Path:
         import ray
