@@ -26,7 +26,8 @@ from envs.tools import ToolError, tool
 class ArithEnv(GeneratedTaskEnv):
     """Multi-step arithmetic. Args: difficulty (0-3, see envs.tasks.arith.DIFFICULTIES), config
     (ArithConfig field overrides), use_sandbox (run calc in the sandbox; default True), calc_timeout_s,
-    and the ToolEnv arguments (max_turns, sandbox_pool, ...)."""
+    instructions (the system message's first paragraph; default the class's), and the ToolEnv arguments
+    (max_turns, sandbox_pool, ...)."""
 
     tasks = arith_tasks
     env_id = "arith"
@@ -40,6 +41,7 @@ class ArithEnv(GeneratedTaskEnv):
         config: dict[str, Any] | None = None,
         use_sandbox: bool = True,
         calc_timeout_s: float = 5.0,
+        instructions: str | None = None,
         *,
         max_turns: int | None = None,
         sandbox_pool: Any | None = None,
@@ -53,6 +55,8 @@ class ArithEnv(GeneratedTaskEnv):
             tools_in_prompt=tools_in_prompt,
         )
         self.uses_sandbox = use_sandbox
+        if instructions is not None:
+            self.instructions = instructions
         self.calc_timeout_s = calc_timeout_s
         self._script = script_source("calc")
 

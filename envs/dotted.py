@@ -77,6 +77,20 @@ def resolve_name(name: str, what: str = "object", callable_: bool = True) -> Any
     return obj
 
 
+def builtin_or_dotted(
+    name: str, builtins: dict[str, Any], what: str, yours: str, callable_: bool = True
+) -> Any:
+    """A registry lookup: `builtins[name]`, or the object "pkg.module:attr" names. Any other name is a
+    ValueError listing the built-ins and saying how to name your own (`yours`, e.g. "fn(group) -> bool").
+    The registries of estimators, policy losses, engines and group filters (rl/) all look up here."""
+    if name in builtins:
+        return builtins[name]
+    if not is_dotted_name(name):
+        raise ValueError(f"unknown {what} {name!r}: choose from {', '.join(builtins)}, or name your own "
+                         f"{yours} as pkg.module:{'fn' if callable_ else 'attr'}")
+    return resolve_name(name, what, callable_=callable_)
+
+
 def _why(name: str, e: Exception) -> str:
     """What failed inside pkgutil.resolve_name, and the fix."""
     module, attrs = name.split(":")

@@ -163,7 +163,7 @@ def oracle_transcript(env: Any, codec: ChatCodec, seed: int) -> Transcript:
         mask = [0] * len(ids)
         success, n_turns = None, 0
         for action in actions:
-            turn = [int(t) for t in codec.tok.encode(action, add_special_tokens=False)] + [codec.eot_id]
+            turn = codec.turn_ids(action) + [codec.eot_id]
             ids += turn
             mask += [1] * len(turn)
             n_turns += 1

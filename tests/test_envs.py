@@ -197,6 +197,17 @@ def test_arith_wrong_answer_and_calc_errors():
     assert (reward, term, info["success"]) == (0.0, True, 0.0)
 
 
+def test_arith_instructions_replace_the_system_messages_first_paragraph():
+    """env.kwargs.instructions (configs/smollm2_arith_tools.yaml: a worked example for a model whose chat
+    template shows no tools): the system message starts with it; the tool list and format follow as before."""
+    default, _ = envs.make("arith", use_sandbox=False).reset(seed=0)
+    mine, _ = envs.make("arith", use_sandbox=False, instructions="Call calc, then answer.").reset(seed=0)
+    assert mine[0]["content"].startswith("Call calc, then answer.")
+    assert not default[0]["content"].startswith("Call calc")
+    tail = default[0]["content"].split("\n", 1)[1]
+    assert mine[0]["content"].endswith(tail)
+
+
 def test_arith_difficulty_zero_is_tiny():
     env = envs.make("arith", use_sandbox=False)
     for seed in range(20):

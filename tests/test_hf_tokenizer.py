@@ -312,3 +312,21 @@ def test_an_openai_client_agent_on_an_hf_model_speaks_its_template(tmp_path):
     mask = traj.loss_mask[1:].astype(bool)
     got = torch.as_tensor(traj.rollout_logprobs[1:][mask])
     assert mask.sum() > 0 and (lp[torch.as_tensor(mask)] - got).abs().max().item() <= PARITY_TOL
+
+
+def test_codec_turn_ids_are_the_templates_ids_of_an_assistant_turn(foreign):
+    """ChatCodec.turn_ids (warm-up's oracle turns, TeacherForcedEngine's scripted turns) = the ids the
+    template's own tokenization holds between the generation prompt and the end of turn, for every style
+    (tok.encode differs there for Metaspace "first", prefix-space and trimming templates)."""
+    from rl.rollout.agent_loop import ChatCodec
+
+    codec = ChatCodec(foreign)
+    user = [{"role": "user", "content": "Compute 2+3."}]
+    prompt = _template_ids(foreign, user)
+    for text in ("The answer is 5.", "Sure: 5", CALL, "naïve café 5"):
+        said = {"role": "assistant", "content": text}
+        whole = _template_ids(foreign, [*user, said], add_generation_prompt=False)
+        assert whole[: len(prompt)] == prompt
+        turn = whole[len(prompt) :]
+        ids = codec.turn_ids(text)
+        assert turn[: len(ids)] == ids and turn[len(ids)] == codec.eot_id, (text, ids, turn)

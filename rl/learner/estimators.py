@@ -129,14 +129,10 @@ BUILTIN: dict[str, Estimator] = {
 def estimator(name: str) -> Estimator:
     """The estimator `name` names: a built-in (`BUILTIN`) or `pkg.module:attr` holding an `Estimator`.
     Raises ValueError naming the choices."""
-    if name in BUILTIN:
-        return BUILTIN[name]
-    from envs.dotted import is_dotted_name, resolve_name
+    from envs.dotted import builtin_or_dotted
 
-    if not is_dotted_name(name):
-        raise ValueError(f"unknown advantage estimator {name!r}: choose from {', '.join(BUILTIN)}, or name "
-                         "your own rl.learner.estimators.Estimator as pkg.module:attr")
-    obj = resolve_name(name, "advantage estimator", callable_=False)
+    obj = builtin_or_dotted(name, BUILTIN, "advantage estimator", "rl.learner.estimators.Estimator",
+                            callable_=False)  # fmt: skip
     if not isinstance(obj, Estimator):
         raise ValueError(f"advantage estimator {name!r} is a {type(obj).__name__}; it must be an "
                          "rl.learner.estimators.Estimator (see that module's docstring)")

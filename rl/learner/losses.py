@@ -76,14 +76,10 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo_clip": ppo_clip, "gspo": gspo, "cis
 def policy_loss_fn(name: str) -> PolicyLoss:
     """The policy loss `name` names: a built-in (`POLICY_LOSSES`) or a `pkg.module:fn` of the same signature
     (logp, old_logp, advantages, seq, seq_tokens, clip_eps_low, clip_eps_high) -> (loss [M], clipped [M])."""
-    if name in POLICY_LOSSES:
-        return POLICY_LOSSES[name]
-    from envs.dotted import is_dotted_name, resolve_name
+    from envs.dotted import builtin_or_dotted
 
-    if not is_dotted_name(name):
-        raise ValueError(f"unknown policy loss {name!r}: choose from {', '.join(POLICY_LOSSES)}, or name "
-                         "your own function as pkg.module:fn (signature: rl.learner.losses.policy_loss_fn)")
-    return resolve_name(name, "policy loss")
+    return builtin_or_dotted(name, POLICY_LOSSES, "policy loss",
+                             "function (signature: rl.learner.losses.policy_loss_fn)")  # fmt: skip
 
 
 def policy_loss(

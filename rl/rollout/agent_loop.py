@@ -116,6 +116,16 @@ class ChatCodec:
         enc.ids = [int(i) for i in enc.ids]
         return enc
 
+    def turn_ids(self, text: str) -> list[int]:
+        """Ids of an assistant turn's `text` (no end of turn) as the chat template's own tokenization holds
+        them after its generation prompt: what a policy writing `text` samples, so that scripted and oracle
+        turns (warm-up data, teacher forcing) equal the template's tokenization of the conversation. Odyssey's
+        tokenizer encodes a turn on its own exactly; others may not (a Metaspace "first" or prefix-space
+        tokenizer marks the start of a string, Llama 3's template trims): model.tokenizer.encode_turn."""
+        if self._tk.chat_format(self.tok).slot_exact:
+            return [int(i) for i in self.tok.encode(text, add_special_tokens=False)]
+        return [int(i) for i in self._tk.encode_turn(self.tok, text)]
+
     def encode_observation(self, messages: list[dict]) -> Any:
         """`continuation` with its images (offsets relative to the continuation)."""
         enc = self._tk.encode_continuation_images(self.tok, self.prepare(messages),

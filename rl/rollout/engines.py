@@ -68,14 +68,10 @@ ENGINES: dict[str, EngineFactory] = {"torch": torch_engine, "vllm": vllm_engine}
 def engine_factory(name: str) -> EngineFactory:
     """The engine factory `name` names: a built-in (`ENGINES`) or `pkg.module:fn` with the same signature,
     (settings, detokenize, policy=None) -> (engine, temporary directory to delete on close, or None)."""
-    if name in ENGINES:
-        return ENGINES[name]
-    from envs.dotted import is_dotted_name, resolve_name
+    from envs.dotted import builtin_or_dotted
 
-    if not is_dotted_name(name):
-        raise ValueError(f"unknown rollout engine {name!r}: choose from {', '.join(ENGINES)}, or name your "
-                         "own factory as pkg.module:fn (signature: rl.rollout.engines.engine_factory)")
-    return resolve_name(name, "rollout engine")
+    return builtin_or_dotted(name, ENGINES, "rollout engine",
+                             "factory (signature: rl.rollout.engines.engine_factory)")  # fmt: skip
 
 
 def build_engine(

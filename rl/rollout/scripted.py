@@ -37,7 +37,7 @@ class TeacherForcedEngine:
         self.engine, self.codec, self.policy = engine, codec, policy
 
     def forced_ids(self, request: GenerationRequest) -> list[int]:
-        ids = [int(i) for i in self.codec.tok.encode(self.policy(request), add_special_tokens=False)]
+        ids = self.codec.turn_ids(self.policy(request))
         if not ids or ids[-1] not in request.sampling.stop_token_ids:
             ids.append(self.codec.eot_id)
         return ids

@@ -26,14 +26,9 @@ GROUP_FILTERS: dict[str, GroupFilter] = {"zero_variance": zero_variance}
 
 def group_filter(name: str) -> GroupFilter:
     """The filter `name` names: a built-in (`GROUP_FILTERS`) or `pkg.module:fn` (module docstring)."""
-    if name in GROUP_FILTERS:
-        return GROUP_FILTERS[name]
-    from envs.dotted import is_dotted_name, resolve_name
+    from envs.dotted import builtin_or_dotted
 
-    if not is_dotted_name(name):
-        raise ValueError(f"unknown group filter {name!r}: choose from {', '.join(GROUP_FILTERS)}, or name "
-                         "your own fn(group) -> bool (True = keep) as pkg.module:fn")
-    return resolve_name(name, "group filter")
+    return builtin_or_dotted(name, GROUP_FILTERS, "group filter", "fn(group) -> bool (True = keep)")
 
 
 __all__ = ["GROUP_FILTERS", "GroupFilter", "group_filter", "zero_variance"]
