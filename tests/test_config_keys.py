@@ -533,6 +533,9 @@ RUN_ONLY: dict[str, str] = {
     "orchestrator.resume": "tests/test_train_ray.py (kill -9 of the driver, then resume)",
     "orchestrator.eval_every": "tests/test_train_ray.py (eval_every runs held-out eval)",
     "learner.context_parallel": "tests/test_learner_group.py (a context-parallel group equals one rank)",
+    "learner.sharding": "tests/test_learner_fsdp.py (FSDP ranks equal one rank; each holds 1/N of the bytes)",
+    "learner.fsdp_param_dtype": "tests/test_learner_fsdp.py (bfloat16 compute moves the step off fp32's)",
+    "learner.fsdp_reduce_dtype": "tests/test_learner_fsdp.py (bfloat16 compute moves the step off fp32's)",
 }
 
 

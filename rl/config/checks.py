@@ -80,6 +80,7 @@ def _budget_problems(c: RunConfig) -> list[str]:
         )
     out += est.problems(c) if est is not None else []
     out += _context_parallel_problems(lr)
+    out += _sharding_problems(lr)
     if lr.critic_preset is not None:
         if not _critic(lr):
             out.append(
@@ -151,6 +152,30 @@ def _context_parallel_problems(lr: LearnerSection) -> list[str]:
             "learner.context_parallel does not split a separate critic's trunk; use learner.value_model=head "
             "or learner.context_parallel=1"
         )
+    return out
+
+
+def _sharding_problems(lr: LearnerSection) -> list[str]:
+    """learner.sharding: what the sharded learner (rl/learner/fsdp.py) runs with."""
+    if lr.sharding in ("ep", "fsdp+ep"):
+        return [f"learner.sharding={lr.sharding} (expert parallelism) is not built yet; the learner has "
+                "'none' (data parallelism: a whole model per rank) and 'fsdp' (FSDP2: parameters, gradients "
+                "and optimizer state sharded over learner.num_ranks ranks)"]
+    if lr.sharding != "fsdp":
+        return []
+    out = []
+    if lr.context_parallel > 1:
+        out.append("learner.sharding=fsdp and learner.context_parallel > 1 do not combine yet; set "
+                   "learner.context_parallel=1 or learner.sharding=none")
+    if lr.lora is not None:
+        out.append("learner.sharding=fsdp and learner.lora do not combine yet (the checkpoint and weight "
+                   "sync of a sharded learner gather full weights, not adapters); set learner.sharding=none "
+                   "(LoRA's adapters are small: each rank holds them whole) or remove learner.lora")
+    if lr.sequence_chunk_tokens:
+        out.append("learner.sharding=fsdp and learner.sequence_chunk_tokens do not combine yet (each window "
+                   "re-gathers every layer, so ranks with different lengths would run different collectives);"
+                   " "
+                   "set learner.sequence_chunk_tokens=0 or learner.sharding=none")
     return out
 
 

@@ -164,6 +164,11 @@ class LearnerSection(_Section):
     num_ranks: int = Field(1, ge=1)  # learner ranks (LearnerGroup): context_parallel x data-parallel groups
     # ranks one micro-batch is split across, in contiguous shards (model/context_parallel.py); 1 = off
     context_parallel: int = Field(1, ge=1)
+    # how the ranks hold the model: none = data parallelism (a whole copy each, DDP); fsdp = FSDP2
+    # (parameters, gradients and AdamW state sharded over the ranks, rl/learner/fsdp.py); ep: not built yet
+    sharding: Literal["none", "fsdp", "ep", "fsdp+ep"] = "none"
+    fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype; auto: bf16 on CUDA
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # the gradient reduce-scatter's dtype
     seed: int = 0  # model init and minibatch order
     # train LoRA adapters only (HF policies); the engines get merged weights. null = full fine-tuning
     lora: LoraSection | None = None

@@ -19,6 +19,10 @@ summed over ranks. Rank 0's metrics are returned.
 Context parallelism (learner.context_parallel = R > 1): ranks r // R form a group that splits each of its
 micro-batches into R contiguous shards (model/context_parallel.py); the groups are the data-parallel units,
 so the plan has num_ranks / R shares and every rank of a group gets its group's.
+
+Sharding (learner.sharding=fsdp): the ranks shard the model with FSDP2 instead of DDP (rl/learner/fsdp.py);
+the plan is the same, and `state_dict` / `save` call every rank (the gather is collective) and return rank
+0's.
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ class LearnerRank:
     def load(self, path: str) -> None:
         self.learner.load(path)
 
+    def memory_bytes(self) -> dict[str, int]:
+        return self.learner.memory_bytes()
+
     def counters(self) -> tuple[int, int]:
         return self.learner.policy_steps, self.learner.optimizer_steps
 
@@ -108,6 +115,16 @@ class LearnerGroup:
         self.facts: ModelFacts = facts[0]
         self.policy_steps = 0
 
+    @property
+    def gathering(self) -> list:
+        """The ranks a weight gather calls: all of them under FSDP (the gather is collective; rank 0 answers),
+        else rank 0 alone (every rank holds the same weights)."""
+        return self.ranks if self.cfg.learner.sharding == "fsdp" else self.ranks[:1]
+
+    def state_dict_ref(self) -> Any:
+        """ObjectRef of rank 0's `state_dict()` (the other ranks, under FSDP, take part in the gather)."""
+        return [r.state_dict.remote() for r in self.gathering][0]
+
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One data-parallel policy step (module docstring); the metrics of Learner.step."""
         import ray
@@ -131,12 +148,18 @@ class LearnerGroup:
         """Rank 0's policy weights (every rank holds the same) for the rollout engines."""
         import ray
 
-        return ray.get(self.ranks[0].state_dict.remote())
+        return ray.get(self.state_dict_ref())
 
     def save(self, path: str | Path) -> Path:
         import ray
 
-        return Path(ray.get(self.ranks[0].save.remote(str(path))))
+        return Path(ray.get([r.save.remote(str(path)) for r in self.gathering])[0])
+
+    def memory_bytes(self) -> list[dict[str, int]]:
+        """Per rank: the bytes it holds of parameters, gradients and AdamW state (Learner.memory_bytes)."""
+        import ray
+
+        return ray.get([r.memory_bytes.remote() for r in self.ranks])
 
     def load(self, path: str | Path) -> None:
         import ray

@@ -27,7 +27,11 @@ first pass, the reference model and the backward, where activation checkpointing
 Data parallelism: constructed inside an initialised torch.distributed process group (rl/learner/group.py),
 the learner wraps its trainable module in DistributedDataParallel; each rank runs `update` on its own share,
 every rank runs exactly one gradient-synchronising backward per optimizer step (no_sync for the others; an
-idle rank runs a zero-weighted one-token forward), and the metrics are summed over ranks.
+idle rank runs a zero-weighted one-token forward), and the metrics are summed over ranks. With
+learner.sharding=fsdp the trainable module is sharded with FSDP2 instead (rl/learner/fsdp.py): every rank
+runs the same number of micro-batches per minibatch (padded with zero-weighted ones), each backward
+reduce-scatters, and checkpoints and weight sync gather the whole state dict at rank 0 (collective: every
+rank calls them).
 """
 
 from __future__ import annotations
@@ -197,7 +201,12 @@ class Learner:
             self.reference = TrainModule(ref, sequence_chunk_tokens=lc.sequence_chunk_tokens,
                                          context_parallel_group=self.cp_group)
         self.ddp = self.module
-        if self.distributed:
+        self.fsdp = self.distributed and lc.sharding == "fsdp"
+        if self.fsdp:  # parameters, gradients and AdamW state sharded over the ranks (rl/learner/fsdp.py)
+            from rl.learner.fsdp import shard_train_module
+
+            shard_train_module(self.module, self.device, lc.fsdp_param_dtype, lc.fsdp_reduce_dtype)
+        elif self.distributed:
             with warnings.catch_warnings():  # torch deprecates broadcast_buffers; its replacement is not
                 # equivalent yet (it syncs at init), so keep it and keep every run's log free of the warning
                 warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
@@ -262,12 +271,27 @@ class Learner:
         model.dtype (the router biases stay fp32, as the model keeps them). With learner.lora the adapters
         are merged into their base weights, under the base model's names (rl/learner/lora.py)."""
         dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
-        weights = merged_state_dict(self.policy) if self.lc.lora is not None else self.policy.state_dict()
+        weights = merged_state_dict(self.policy) if self.lc.lora is not None else self._policy_state()
         out = {}
         for k, v in weights.items():
             keep = not v.is_floating_point() or k.endswith("e_score_correction_bias")
             out[k] = v.detach().to("cpu", dtype=None if keep else dtype, copy=True)
         return out
+
+    def _policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's whole state dict: gathered at rank 0 under FSDP (collective; {} on the others)."""
+        if not self.fsdp:
+            return self.policy.state_dict()
+        from rl.learner.fsdp import full_state_dict
+
+        return full_state_dict(self.policy)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds of the trainable parameters, their gradients and the AdamW state (its shards
+        under FSDP)."""
+        from rl.learner.fsdp import local_bytes
+
+        return local_bytes(self.module, self.optimizer)
 
     def save(self, path: str | Path) -> Path:
         """Write the policy (save_pretrained: rollouts can start from it, model.init_from=<path>/policy), the
@@ -275,16 +299,31 @@ class Learner:
         router biases, which are model buffers. With learner.lora only the adapter weights are written
         (ADAPTER_FILE): the frozen base is the config's model."""
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        if self.lc.lora is not None:
-            from safetensors.torch import save_file
+        value, optimizer = self.module.value, self.optimizer.state_dict
+        if self.fsdp:  # gather everything at rank 0 (every rank takes part); only rank 0 writes
+            from rl.learner.fsdp import full_optimizer_state_dict, full_state_dict
 
-            save_file(adapter_state_dict(self.policy), str(path / ADAPTER_FILE))
+            policy_sd = full_state_dict(self.policy)
+            value_sd = full_state_dict(value) if value is not None else None
+            optim_sd = full_optimizer_state_dict(self.module, self.optimizer)
+            if self.rank != 0:
+                return path
+            path.mkdir(parents=True, exist_ok=True)
+            self.policy.save_pretrained(path / POLICY_DIR, state_dict=policy_sd)
         else:
-            self.policy.save_pretrained(path / POLICY_DIR)
+            path.mkdir(parents=True, exist_ok=True)
+            if self.lc.lora is not None:
+                from safetensors.torch import save_file
+
+                save_file(adapter_state_dict(self.policy), str(path / ADAPTER_FILE))
+            else:
+                self.policy.save_pretrained(path / POLICY_DIR)
+            value_sd = value.state_dict() if value is not None else None
+            optim_sd = optimizer()
         state = {
-            "value": self.module.value.state_dict() if self.module.value is not None else None,
-            "optimizer": self.optimizer.state_dict(),
+            "value": value_sd,
+            "optimizer": optim_sd,
+            "sharding": "fsdp" if self.fsdp else "none",  # the optimizer state's layout
             "scheduler": self.scheduler.state_dict(),
             "policy_steps": self.policy_steps,
             "optimizer_steps": self.optimizer_steps,
@@ -308,21 +347,37 @@ class Learner:
                 f"{path} holds no learner checkpoint ({STATE_FILE}); was it written by Learner.save?"
             )
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-        if self.lc.lora is not None:
-            from safetensors.torch import load_file
+        layout = "fsdp" if self.fsdp else "none"
+        saved_layout = state.get("sharding", "none")
+        if saved_layout != layout:
+            raise ValueError(f"{path} was saved by a learner with learner.sharding={saved_layout!r} (its "
+                             f"optimizer state is laid out for it) but this one has {layout!r}; resume with "
+                             f"learner.sharding={saved_layout}, or start from its policy alone "
+                             f"(model.init_from={path / POLICY_DIR})")
+        if self.fsdp:  # every rank reads the whole checkpoint and keeps its shard
+            from rl.learner.fsdp import load_full_optimizer_state_dict, load_full_state_dict
 
-            saved_lora = state.get("learner_config", {}).get("lora")
-            if not (path / ADAPTER_FILE).is_file() or saved_lora != self.lc.lora.model_dump(mode="json"):
-                raise ValueError(
-                    f"{path} holds no LoRA adapter of this learner.lora ({self.lc.lora.model_dump()}; the "
-                    f"checkpoint's: {saved_lora}): resume with the learner.lora it was written with")
-            load_adapter_state_dict(self.policy, load_file(str(path / ADAPTER_FILE)))
-        else:
             saved = type(self.policy).from_pretrained(str(path / POLICY_DIR), dtype=torch.float32)
-            self.policy.load_state_dict(saved.state_dict())  # in place: the optimizer keeps its parameters
-        if state["value"] is not None:
-            self.module.value.load_state_dict(state["value"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            load_full_state_dict(self.policy, saved.state_dict())
+            if state["value"] is not None:
+                load_full_state_dict(self.module.value, state["value"])
+            load_full_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+        else:
+            if self.lc.lora is not None:
+                from safetensors.torch import load_file
+
+                saved_lora = state.get("learner_config", {}).get("lora")
+                if not (path / ADAPTER_FILE).is_file() or saved_lora != self.lc.lora.model_dump(mode="json"):
+                    raise ValueError(
+                        f"{path} holds no LoRA adapter of this learner.lora ({self.lc.lora.model_dump()}; "
+                        f"the checkpoint's: {saved_lora}): resume with the learner.lora it was written with")
+                load_adapter_state_dict(self.policy, load_file(str(path / ADAPTER_FILE)))
+            else:
+                saved = type(self.policy).from_pretrained(str(path / POLICY_DIR), dtype=torch.float32)
+                self.policy.load_state_dict(saved.state_dict())  # in place: the optimizer keeps its params
+            if state["value"] is not None:
+                self.module.value.load_state_dict(state["value"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.policy_steps, self.optimizer_steps = state["policy_steps"], state["optimizer_steps"]
         rng = state["rng"]
@@ -457,6 +512,9 @@ class Learner:
         """Fill old_logp / ref_logp / old_values of `samples` and count routing agreement (no gradients,
         no MoE statistics)."""
         bins = self._bins(samples)
+        if self.fsdp and (old or values or routing):  # every rank runs as many sharded forwards
+            for _ in range(self._most_micro_batches(len(bins)) - len(bins)):
+                self._idle_forward()
         modules = [self.module] + ([self.reference] if self.reference is not None else [])
         with contextlib.ExitStack() as stack:
             for m in modules:
@@ -527,7 +585,10 @@ class Learner:
         they are averaged over ranks at the last micro-batch). n_tokens / n_episodes: the minibatch's, over
         all ranks. Returns this rank's part of the minibatch loss."""
         bins = self._bins(samples)
-        if not bins and self.distributed:
+        if self.fsdp:  # every rank runs as many sharded forwards and backwards (rl/learner/fsdp.py)
+            for _ in range(self._most_micro_batches(len(bins)) - len(bins)):
+                self._idle_backward()
+        elif not bins and self.distributed:
             self._idle_backward()
         total = 0.0
         for j, b in enumerate(bins):
@@ -567,18 +628,32 @@ class Learner:
         update is made of, and the seam where a trajectory split into sequence chunks will be processed.
         sync: under DDP, whether this backward averages the gradients over ranks (the last micro-batch
         of a minibatch). Returns this micro-batch's part of the minibatch loss."""
-        no_sync = self.distributed and not sync
+        no_sync = self.distributed and not sync and not self.fsdp  # FSDP reduce-scatters every backward
         with self.ddp.no_sync() if no_sync else contextlib.nullcontext():
             loss = self._micro_batch_loss(mb, n_tokens, n_episodes, fused_old, first_epoch, routing)
             with statistics_recording(self.module, False):  # checkpoint recomputation must not record
                 (loss * self.world_size).backward()
         return float(loss.detach())
 
-    def _idle_backward(self) -> None:
-        """A rank without samples in a minibatch still joins the gradient all-reduce: a one-token forward
-        whose loss is multiplied by 0 (no MoE statistics), so its contribution is exactly zero."""
+    def _most_micro_batches(self, n: int) -> int:
+        """The most micro-batches any rank has (this one has n): the max over the process group."""
+        dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = torch.tensor([n], dtype=torch.int64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
+
+    @torch.no_grad()
+    def _idle_forward(self) -> None:
+        """A no-gradient one-token forward (no MoE statistics): an FSDP rank's share of the all-gathers of a
+        first-pass micro-batch it does not have."""
+        with statistics_recording(self.module, False), self._autocast():
+            self.ddp(self._idle_micro_batch(), values=self.module.value is not None)
+
+    @staticmethod
+    def _idle_micro_batch() -> MicroBatch:
+        """One token (id 0), scored, no data: what an idle rank runs to join the collectives."""
         z = torch.zeros(1, dtype=torch.int64)
-        mb = MicroBatch(
+        return MicroBatch(
             input_ids=z,
             cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
             replay=None,
@@ -588,6 +663,11 @@ class Learner:
             seq_tokens=torch.ones(1, dtype=torch.int64),
             data={},
         )
+
+    def _idle_backward(self) -> None:
+        """A rank without samples in a minibatch still joins the gradient all-reduce: a one-token forward
+        whose loss is multiplied by 0 (no MoE statistics), so its contribution is exactly zero."""
+        mb = self._idle_micro_batch()
         with statistics_recording(self.module, False):
             with self._autocast():
                 out = self.ddp(mb, values=self.module.value is not None)

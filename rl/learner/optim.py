@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
@@ -45,7 +46,10 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
+    if isinstance(norm, DTensor):  # FSDP-sharded gradients (rl/learner/fsdp.py): the norm is a DTensor
+        norm = norm.full_tensor()
+    return float(norm)
 
 
 __all__ = [

@@ -131,8 +131,9 @@ class LearnerClient:
         return dict(fut.result())
 
     def weights(self) -> Any:
-        """ObjectRef of rank 0's state_dict (every rank holds the same weights); never fetched here."""
-        return self.group.ranks[0].state_dict.remote()
+        """ObjectRef of rank 0's state_dict (under FSDP every rank takes part in gathering it); never fetched
+        here."""
+        return self.group.state_dict_ref()
 
     def save(self, path: Path) -> None:
         self._call(self.group.save, str(path))
