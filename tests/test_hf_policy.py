@@ -249,10 +249,12 @@ def test_torch_engine_logprobs_equal_token_logprobs(any_dir):
         assert r2.session.num_tokens == len(ids)
 
 
-def _trajectories(engine: TorchEngine, n_groups: int = 2, group_size: int = 2) -> list[Trajectory]:
-    """Real TorchEngine rollouts as scored single-turn trajectories (reward: generated length parity)."""
-    fp = tokenizer_fingerprint(load_tokenizer())
-    prompts = _prompts(n_groups, seed=3)
+def _trajectories(engine: TorchEngine, n_groups: int = 2, group_size: int = 2,
+                  prompts: list[list[int]] | None = None, fp: str | None = None) -> list[Trajectory]:
+    """Real TorchEngine rollouts as scored single-turn trajectories (reward: index parity). prompts: one per
+    group (default: Odyssey-vocabulary prompts); fp: the recorded tokenizer fingerprint (default: Odyssey)."""
+    fp = fp or tokenizer_fingerprint(load_tokenizer())
+    prompts = prompts or _prompts(n_groups, seed=3)
     reqs = [GenerationRequest(p, SamplingParams(max_new_tokens=8, seed=g * 10 + i))
             for g, p in enumerate(prompts) for i in range(group_size)]
     out = []

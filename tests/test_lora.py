@@ -32,6 +32,7 @@ from rl.learner.lora import adapter_state_dict, apply_lora, is_adapter_key, merg
 from rl.rollout.engine import GenerationRequest, TorchEngine
 from rl.rollout.sampling import SamplingParams
 from rl.trajectory import Trajectory, TurnSpan
+from tests.test_hf_policy import _trajectories as hf_trajectories
 from tests.test_hf_policy import make_llama
 
 MERGE_TOL = 1e-5
@@ -69,23 +70,10 @@ def _randomise_adapters(policy: torch.nn.Module, seed: int = 0) -> None:
 
 def _trajectories(engine: TorchEngine, vocab: int, fp: str, n_groups: int = 2,
                   group_size: int = 2) -> list[Trajectory]:
-    """Real TorchEngine rollouts as scored single-turn trajectories (reward: index parity)."""
+    """test_hf_policy's scored single-turn rollouts, on prompts drawn from this model's vocabulary."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(10, vocab, int(rng.integers(3, 14))).tolist() for _ in range(n_groups)]
-    reqs = [GenerationRequest(p, SamplingParams(max_new_tokens=8, seed=g * 10 + i))
-            for g, p in enumerate(prompts) for i in range(group_size)]
-    out = []
-    for k, (req, res) in enumerate(zip(reqs, engine.generate(reqs))):
-        P, G = len(req.prompt_ids), len(res.token_ids)
-        tokens = np.array(list(req.prompt_ids) + res.token_ids, np.int32)
-        mask = np.r_[np.zeros(P), np.ones(G)].astype(np.uint8)
-        lp = np.full(P + G, np.nan, np.float32)
-        lp[P:] = res.logprobs
-        out.append(Trajectory(tokens=tokens, loss_mask=mask, rollout_logprobs=lp, routed_experts=None,
-                              turns=[TurnSpan("prompt", 0, P), TurnSpan("assistant", P, P + G)],
-                              rewards={"total": float(k % 2)}, turn_rewards=[0.0],
-                              metadata={"group_id": f"g{k // group_size}", "tokenizer": fp}, terminated=True))
-    return out
+    return hf_trajectories(engine, n_groups, group_size, prompts=prompts, fp=fp)
 
 
 def _llama_trajectories(llama_dir: str) -> list[Trajectory]:
