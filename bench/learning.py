@@ -23,6 +23,10 @@ Families:
                  returns (rendered in the Docker sandbox), then calc and answer as in arith; difficulty 0.
                  Its ablation variant rl_raft_blank plays every image blank (white, same size): SFT-only and
                  RL evaluations and the RL batches alike, from the same warm-up checkpoint. Ours.
+  smollm2-arith  configs/smollm2_arith_qa.yaml: SmolLM2-135M-Instruct (the embedded pretrained model, no SFT
+                 warm-up: the "sft" evaluation of its runs is the instruct model itself) on one-turn
+                 arithmetic questions in words (examples/arith_words/arith_words.jsonl, 64 held out),
+                 math-verify. Its target is issue 44's: RL >= 1.5x the start AND >= +0.2 absolute.
 code-repair is not in this bench: its transcripts (a module and its tests, rewritten whole) are longer
 than the tiny policy learns to copy in a CPU warm-up.
 
@@ -35,6 +39,10 @@ Variants (overrides on the family's config):
   rl                    GRPO, lr 5e-5, 3 warm-up steps, one epoch (the demo's recipe before raft)
   rl_outcome_only       the same without the process and sub-goal rewards. arith only.
   rl_raft_blank         rl_raft with env.kwargs.blank_images=true: the image hidden. vision-arith only.
+  grpo_pretrained       GRPO at the config's own learning rate (a pretrained model: 1e-5), one epoch.
+                        smollm2-arith only.
+  ppo_pretrained        PPO: GAE advantages from a separate critic (a copy of the policy's trunk with a value
+                        head), the config's learning rate. smollm2-arith only.
 `--variants` / `--families` / `--seeds` run some of them; the results file keeps the runs of the others
 (and of other seeds of the same cell when they ran with the same steps and eval episodes), each with the
 steps and eval episodes it was run with (see "summary"). `--eval-every N` also evaluates every N steps
@@ -63,6 +71,7 @@ sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "bench" / "results" / "learning.json"
 PLOT = ROOT / "docs" / "img" / "learning.png"
+CURVES = ROOT / "docs" / "img" / "learning_pretrained.png"
 OUTCOME_ONLY = (
     "rewards=[{name: outcome, weight: 1.0}, {name: overlong, weight: 1.0, "
     "params: {max_completion_len: 512, soft_punish_cache: 128}}]"
@@ -76,6 +85,8 @@ VARIANTS = {
     "rl": GRPO,
     "rl_outcome_only": [*GRPO, OUTCOME_ONLY],
     "rl_raft_blank": [*RAFT, "env.kwargs.blank_images=true"],
+    "grpo_pretrained": ["learner.advantage=grpo"],
+    "ppo_pretrained": ["learner.advantage=gae", "learner.value_model=critic"],
 }
 LABELS = {
     "rl": "GRPO",
@@ -83,16 +94,20 @@ LABELS = {
     "rl_raft": "RAFT\n(make demo's recipe)",
     "rl_raft_outcome_only": "RAFT\n(outcome only)",
     "rl_raft_blank": "RAFT\n(images blank)",
+    "grpo_pretrained": "GRPO\n(from the instruct model)",
+    "ppo_pretrained": "PPO + critic\n(from the instruct model)",
 }
 
 
 @dataclass(frozen=True)
 class Family:
     config: str  # the run config, relative to the repo root
-    warmup: str  # where its SFT warm-up checkpoint lives (`odyssey warmup` builds or reuses it)
+    # its SFT warm-up checkpoint (`odyssey warmup` builds or reuses it); None: the config's pretrained model
+    warmup: str | None
     label: str
     variants: tuple[str, ...]  # the variants that make sense for it
     overrides: tuple[str, ...] = ()  # after the variant's: what this family's recipe changes
+    both_targets: bool = False  # target: RL >= 1.5x AND >= +0.2 (issue 44); else >= 1.5x OR >= +0.3
 
 
 FAMILIES = {
@@ -113,21 +128,41 @@ FAMILIES = {
         "vision-arith d0 (the expression only in look's image)",
         ("rl_raft", "rl_raft_blank"),
     ),
+    "smollm2-arith": Family(
+        "configs/smollm2_arith_qa.yaml",
+        None,
+        "SmolLM2-135M-Instruct, arithmetic in words (one turn)",
+        ("grpo_pretrained", "ppo_pretrained"),
+        both_targets=True,
+    ),
 }
 
 
 def run(
-    family: str, variant: str, seed: int, steps: int, eval_episodes: int, out: Path, eval_every: int = 0
+    family: str,
+    variant: str,
+    seed: int,
+    steps: int,
+    eval_episodes: int,
+    out: Path,
+    eval_every: int = 0,
+    adopt: Path | None = None,
 ) -> dict:
+    """Train one cell (family, variant, seed) and return its record. `adopt`: instead of training, record the
+    run in that directory, after checking its config.yaml is this cell's (run_dir and checkpoint_every aside):
+    `odyssey train <config> <same overrides>` by hand gives the same record. With a constant learning-rate
+    schedule nothing in steps 1..N depends on learner.steps, so a longer (or still running) run is adopted
+    as its first `steps` steps, once it has evaluated step `steps`."""
     from rich.console import Console
 
     from rl.config import load_config
     from rl.train.loop import Trainer
+    from rl.train.loop import _config_changes as config_changes
 
     fam = FAMILIES[family]
     run_dir = out / family / f"{variant}_seed{seed}"
     overrides = [
-        f"model.init_from={ROOT / fam.warmup}",
+        *([f"model.init_from={ROOT / fam.warmup}"] if fam.warmup else []),
         f"logging.run_dir={run_dir}",
         f"learner.steps={steps}",
         f"rollout.seed={seed}",
@@ -138,13 +173,29 @@ def run(
         *fam.overrides,
     ]
     cfg = load_config(str(ROOT / fam.config), overrides)
-    if run_dir.exists():  # every run starts from the warm-up: a checkpoint left here would be resumed
-        print(f"  removing the previous run of this cell, {run_dir}", flush=True)
-        shutil.rmtree(run_dir)
-    t0 = time.perf_counter()
-    Trainer(cfg, console=Console(file=io.StringIO())).run()
+    if adopt is not None:  # a run of exactly this cell trained outside the bench (or a longer one, see below)
+        ignored = {"logging.run_dir", "orchestrator.checkpoint_every"}
+        if cfg.learner.lr_schedule == "constant":  # then steps 1..N of a longer run are an N-step run's steps
+            ignored.add("learner.steps")
+        changed = [k for k in config_changes(adopt, cfg) if k not in ignored]
+        if changed:
+            raise SystemExit(
+                f"--adopt {adopt}: its config.yaml differs from this cell's in {', '.join(changed)}"
+            )
+        run_dir, wall = adopt, None
+    else:
+        if run_dir.exists():  # every run starts from the warm-up: a checkpoint left here would be resumed
+            print(f"  removing the previous run of this cell, {run_dir}", flush=True)
+            shutil.rmtree(run_dir)
+        t0 = time.perf_counter()
+        Trainer(cfg, console=Console(file=io.StringIO())).run()
+        wall = round(time.perf_counter() - t0, 1)
     evals = [json.loads(ln) for ln in (run_dir / "eval.jsonl").read_text().splitlines()]
+    evals = [e for e in evals if e["step"] <= steps]  # an adopted longer run: its first `steps` steps
+    metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step_wall = {m["step"]: m["wall_s"] for m in metrics if "wall_s" in m and "step" in m}  # since the start
     first, last = evals[0], evals[-1]
+    keys = ("success", "greedy", f"pass@{cfg.orchestrator.eval_pass_k}", "episodes", "infra_errors")
     assert first["step"] == 0 and last["step"] == steps, (first["step"], last["step"])
     rec = {
         "family": family,
@@ -154,10 +205,19 @@ def run(
         "steps": steps,
         "eval_episodes": eval_episodes,
         "episodes_per_step": cfg.rollout.episodes,
-        "sft": {k: first[k] for k in ("success", "greedy", "pass@4", "episodes", "infra_errors")},
-        "rl": {k: last[k] for k in ("success", "greedy", "pass@4", "episodes", "infra_errors")},
-        "curve": [{"step": e["step"], "success": e["success"], "greedy": e["greedy"]} for e in evals],
-        "wall_s": round(time.perf_counter() - t0, 1),
+        "sft": {k: first[k] for k in keys},
+        "rl": {k: last[k] for k in keys},
+        "curve": [
+            {
+                "step": e["step"],
+                "success": e["success"],
+                "greedy": e["greedy"],
+                "wall_s": step_wall.get(e["step"], 0.0),
+            }
+            for e in evals
+        ],  # fmt: skip
+        "wall_s": wall if wall is not None else step_wall.get(steps),
+        **({"adopted_from": str(adopt)} if adopt is not None else {}),
     }
     print(
         f"  {family} {variant} seed {seed}: SFT-only {first['success']:.3f} -> RL {last['success']:.3f} "
@@ -193,7 +253,9 @@ def summarize(runs: list[dict]) -> dict:
                 "rl_success_mean": mr, "rl_success_se": ser,
                 "diff_mean": md, "diff_se": sed,
                 "ratio_rl_over_sft": mr / ms if ms > 0 else None,
-                "target_met": bool(mr >= 1.5 * ms or md >= 0.3),
+                "target": "RL >= 1.5x and >= +0.2" if FAMILIES[family].both_targets else "RL >= 1.5x or +0.3",
+                "target_met": bool((mr >= 1.5 * ms and md >= 0.2) if FAMILIES[family].both_targets
+                                   else (mr >= 1.5 * ms or md >= 0.3)),
                 "curve_success_mean": {str(t): statistics.mean(c[t] for c in curves) for t in common},
             }  # fmt: skip
     return out
@@ -206,7 +268,9 @@ def plot(summary: dict, runs: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = [(f, v, s) for f, vs in summary.items() for v, s in vs.items()]
+    cells = [(f, v, s) for f, vs in summary.items() for v, s in vs.items() if FAMILIES[f].warmup]
+    if not cells:
+        return
     fig, ax = plt.subplots(figsize=(2.2 * len(cells) + 2, 4.2))
     ticks, names = [], []
     for g, (family, variant, s) in enumerate(cells):
@@ -240,6 +304,33 @@ def plot(summary: dict, runs: list[dict]) -> None:
     fig.savefig(PLOT, dpi=120)
 
 
+def plot_curves(runs: list[dict]) -> None:
+    """Pretrained families (no warm-up): held-out success against policy steps and against wall-clock seconds,
+    one line per variant and seed -> CURVES."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = [r for r in runs if not FAMILIES[r["family"]].warmup and len(r.get("curve", [])) > 1]
+    if not rs:
+        return
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in rs:
+        c = r["curve"]
+        label = f"{r['family']} {LABELS[r['variant']].replace(chr(10), ' ')} seed {r['seed']}"
+        by_step.plot([p["step"] for p in c], [p["success"] for p in c], marker="o", label=label)
+        by_time.plot([p["wall_s"] / 60 for p in c], [p["success"] for p in c], marker="o", label=label)
+    for ax, x in ((by_step, "policy step"), (by_time, "wall-clock minutes since the run started")):
+        ax.set_xlabel(x)
+        ax.set_ylabel("held-out success (T = 1)")
+        ax.set_ylim(0, 1)
+    by_step.legend(fontsize=7)
+    fig.suptitle("SmolLM2-135M-Instruct, no warm-up: held-out success during RL (2 CPU cores)")
+    fig.tight_layout()
+    fig.savefig(CURVES, dpi=120)
+
+
 def ensure_warmup(family: str) -> bool:
     """`odyssey warmup` the family's SFT checkpoint: a no-op when it holds this recipe, else (re)trained."""
     from rl.warmup import cli_main as warmup
@@ -266,16 +357,21 @@ def main() -> int:
         "--eval-every", type=int, default=0, help="also evaluate every N steps (the curve); 0 = ends only"
     )
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_learning"))
+    ap.add_argument("--adopt", type=Path, help="record this finished run dir as the one cell and seed given")
     args = ap.parse_args()
+    if args.adopt and len(args.families) * len(args.variants) * len(args.seeds) != 1:
+        ap.error("--adopt records one run: give exactly one --families, --variants and --seeds")
     out = Path(args.out)
     todo = [(f, v) for f in args.families for v in args.variants if v in FAMILIES[f].variants]
     kept = json.loads(RESULTS.read_text())["runs"] if RESULTS.is_file() else []
     runs = [r for r in kept if not replaced(r, todo, args)]  # a cell's seeds share steps and eval episodes
     for family, variant in todo:
-        if not ensure_warmup(family):
+        if FAMILIES[family].warmup and not ensure_warmup(family):
             return 1
         for seed in args.seeds:
-            runs.append(run(family, variant, seed, args.steps, args.eval_episodes, out, args.eval_every))
+            runs.append(
+                run(family, variant, seed, args.steps, args.eval_episodes, out, args.eval_every, args.adopt)
+            )
             write(runs)
     summary = write(runs)
     for family, vs in summary.items():
@@ -283,12 +379,13 @@ def main() -> int:
             print(
                 f"{family} {variant}: SFT-only {s['sft_success_mean']:.3f} ± {s['sft_success_se']:.3f}  RL "
                 f"{s['rl_success_mean']:.3f} ± {s['rl_success_se']:.3f}  "
-                f"RL/SFT {s['ratio_rl_over_sft']:.2f}x  "
-                f"diff {s['diff_mean']:+.3f} ± {s['diff_se']:.3f}  target (>= 1.5x or +0.3) "
+                f"RL/SFT {s['ratio_rl_over_sft'] or float('nan'):.2f}x  "
+                f"diff {s['diff_mean']:+.3f} ± {s['diff_se']:.3f}  target ({s['target']}) "
                 f"{'met' if s['target_met'] else 'MISSED'}"
             )
     plot(summary, runs)
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {PLOT.relative_to(ROOT)}")
+    plot_curves(runs)
+    print(f"wrote {RESULTS.relative_to(ROOT)}, {PLOT.relative_to(ROOT)} and {CURVES.relative_to(ROOT)}")
     return 0
 
 

@@ -28,16 +28,25 @@ HFPolicy at construction, before anything runs) fixes this per layer:
   chunkwise form (model/kda_chunk.py) for a bounded gate elsewhere, the token-by-token reference otherwise;
 - glm5_next's DSA attention layers (indexer top-k over pools of the row, then a sparse mask) are run once per
   sequence (transformers' own forward on each slice), so pools and top-k never cross a boundary; kimi_linear's
-  MLA layers need nothing: transformers builds them a block-diagonal mask from the packed position_ids.
+  MLA layers need nothing here (HFPolicy runs them on its per-sequence packed SDPA).
+
+transformers' Gated DeltaNet layers (`qwen3_next`, `qwen3_5`, `qwen3_5_moe`) get the same treatment
+(`_PackedGDN`, `stateful_gdn`): short conv over the concatenated [q; k; v] per sequence, then the gated delta
+rule S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T with one log-decay per head
+(model/gated_delta.py: chunkwise for long pieces, token steps for decode), S_0 = 0 at every sequence start;
+their gated full-attention layers (output gate, partial rope) take HFPolicy's per-sequence packed SDPA
+(`odyssey_packed_sdpa`), as do kimi_linear's MLA layers. In TorchEngine their rows carry the same
+`KDAState` (conv tail [1, 2HkK + HvV, W-1], S [1, Hv, K, V] fp32).
 
 Everything else (norms, MoE, hyper-connections, MLA) stays transformers' code. A call with a padding mask
 takes transformers' own forward unchanged. A call with a cache (`past_key_values` / `cache_params`;
-TorchEngine through HFPolicy.packed_logits: one forward per row, B = 1, on a transformers DynamicCache
-holding the row) runs `cached_kda`: each row carries, per KDA layer, its short-conv tail [1, 3HK, W-1]
-and recurrent state S [1, H, K, V] fp32 (`KDAState`), beside the attention layers' KV
-(kimi_linear's MLA latents; glm5_next's DSA K/V and indexer keys). A prefill, or a continuation of a row
-(a multi-turn observation), runs the same kernels from the row's states and returns the final ones; a decode
-step is the T = 1 case. A padded call takes transformers' own forward (HFPolicy never pads these models).
+TorchEngine through HFPolicy.packed_logits: one forward per row, B = 1, for a prefill or observation;
+B rows of one token each, their states stacked, for a decode step) runs `cached_kda`: each row carries,
+per KDA layer, its short-conv tail [1, 3HK, W-1] and recurrent state S [1, H, K, V] fp32 (`KDAState`),
+beside the attention layers' KV (kimi_linear's MLA latents; glm5_next's DSA K/V and indexer keys). A
+prefill, or a continuation of a row (a multi-turn observation), runs the same kernels from the row's states
+and returns the final ones; a decode step is the T = 1 case. A padded call takes transformers' own forward
+(HFPolicy never pads these models).
 
 Shapes: hidden states [B, T, D] (packed: B = 1), q, k, g [T, H, K], v [T, H, V], beta [T, H], conv input
 [T, 3HK] with taps [3HK, W].
@@ -51,9 +60,11 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model import kda, kda_chunk, kda_fla, kda_recurrent
+from model.gated_delta import gated_delta, l2norm
 from model.kda_reference import naive_recurrent_kda
 from model.short_conv import causal_short_conv, causal_short_conv_silu
 
@@ -63,15 +74,26 @@ KDA_MODELS: dict[str, tuple[str, str, str, str | None]] = {
     "kimi_linear": ("kimi_linear", "KimiLinearDeltaAttention", "KimiLinearModel", None),
     "glm5_next": ("glm5_next", "Glm5NextTextLinearAttention", "Glm5NextTextModel", "Glm5NextTextAttention"),
 }
-# transformers' reference functions of the KDA layers (torch; fla's replace them where fla is installed)
+# model_type -> (module of transformers.models, Gated DeltaNet layer class, trunk class). A composite Qwen3.5
+# checkpoint (model_type qwen3_5 / qwen3_5_moe) loads through AutoModelForCausalLM as its text model
+# (qwen3_5_text / qwen3_5_moe_text): the same classes.
+GDN_MODELS: dict[str, tuple[str, str, str]] = {
+    "qwen3_next": ("qwen3_next", "Qwen3NextGatedDeltaNet", "Qwen3NextModel"),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text"), ("qwen3_5", "Qwen3_5GatedDeltaNet", "Qwen3_5TextModel")),
+    **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text"),
+                    ("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeTextModel")),
+}
+# transformers' reference functions of the KDA / Gated DeltaNet layers (torch; fla's replace them where fla is
+# installed)
 _TRANSFORMERS_KERNELS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
-                         "causal_conv1d_update")
+                         "causal_conv1d_update", "torch_chunk_gated_delta_rule",
+                         "torch_recurrent_gated_delta_rule")
 
 
 def _transformers_module(model_type: str) -> Any:
     import importlib
 
-    name = KDA_MODELS[model_type][0]
+    name = (KDA_MODELS.get(model_type) or GDN_MODELS[model_type])[0]
     return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
 
@@ -197,10 +219,10 @@ def packed_kda(layer: nn.Module, x: torch.Tensor, cu: torch.Tensor) -> torch.Ten
     return stateful_kda(layer, x, cu)[0]
 
 
-def cached_kda(layer: nn.Module, hidden_states: torch.Tensor, cache: Any) -> torch.Tensor:
-    """A KDA layer's call with a transformers cache (HFPolicy's TorchEngine path, one forward per cache row
-    or B rows of T tokens each): hidden_states [B, T, D], each row one sequence continuing from the state in
-    `cache.layers[layer.layer_idx]` (a LinearAttentionLayer: `conv_states[0]` [B, 3HK, W-1],
+def _cached(layer: nn.Module, hidden_states: torch.Tensor, cache: Any, stateful: Any) -> torch.Tensor:
+    """A linear-attention layer's call with a transformers cache, by its `stateful` function (`stateful_kda`,
+    `stateful_gdn`): hidden_states [B, T, D], each row one sequence continuing from the state in
+    `cache.layers[layer.layer_idx]` (a LinearAttentionLayer: `conv_states[0]` [B, C, W-1],
     `recurrent_states[0]` [B, H, K, V] fp32; both absent = a fresh sequence) -> y [B, T, D]. The new states
     replace the layer's (new tensors: the ones read are never written, so a cache row shared by branches
     stays intact)."""
@@ -210,7 +232,7 @@ def cached_kda(layer: nn.Module, hidden_states: torch.Tensor, cache: Any) -> tor
     conv = None if fresh else lc.conv_states[0]
     S = None if fresh else lc.recurrent_states[0]
     cu = torch.arange(0, B * T + 1, max(T, 1), dtype=torch.int32, device=hidden_states.device)[:B + 1]
-    y, conv_new, S_new = stateful_kda(layer, hidden_states.reshape(B * T, D), cu, conv, S)
+    y, conv_new, S_new = stateful(layer, hidden_states.reshape(B * T, D), cu, conv, S)
     lc.conv_states[0], lc.recurrent_states[0] = conv_new, S_new
     lc.is_conv_states_initialized[0] = lc.is_recurrent_states_initialized[0] = True
     lc.has_previous_state[0] = True
@@ -220,16 +242,97 @@ def cached_kda(layer: nn.Module, hidden_states: torch.Tensor, cache: Any) -> tor
     return y.view(B, T, D)
 
 
-class _PackedKDA:
-    """Mixin of a transformers KDA layer: a full-sequence call without cache runs `packed_kda`, a call with a
-    cache (no padding) `cached_kda`."""
+def cached_kda(layer: nn.Module, hidden_states: torch.Tensor, cache: Any) -> torch.Tensor:
+    """A KDA layer's call with a transformers cache (HFPolicy's TorchEngine path, one forward per cache row
+    or B rows of T tokens each): hidden_states [B, T, D] -> y [B, T, D]; per-row conv tail [B, 3HK, W-1] and
+    state S [B, H, K, V] fp32 read from and written to the cache (`_cached`)."""
+    return _cached(layer, hidden_states, cache, stateful_kda)
+
+
+# ------------------------------------------------------------------------------------------ Gated DeltaNet
+def _gdn_inputs(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The projections of a transformers Gated DeltaNet layer: x [T, D] -> (conv input [T, 2 Hk K + Hv V]
+    ordered [q; k; v] as its conv1d channels, z [T, Hv, V], b [T, Hv], a [T, Hv]). Qwen3-Next projects
+    q, k, v, z grouped per key head (`in_proj_qkvz`, `in_proj_ba`: the layer's own regrouping), Qwen3.5
+    separately (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`)."""
+    T = x.shape[0]
+    if hasattr(layer, "in_proj_qkvz"):
+        q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x)[None],
+                                                              layer.in_proj_ba(x)[None])
+        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1)
+        return mixed, z[0], b[0], a[0]
+    z = layer.in_proj_z(x).view(T, layer.num_v_heads, layer.head_v_dim)
+    return layer.in_proj_qkv(x), z, layer.in_proj_b(x), layer.in_proj_a(x)
+
+
+def stateful_gdn(layer: nn.Module, x: torch.Tensor, cu: torch.Tensor, conv_state: torch.Tensor | None = None,
+                 state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One transformers Gated DeltaNet layer (Qwen3-Next / Qwen3.5; its own parameters) over N packed
+    sequences, each continuing from its given state: x [T, D] (sequence n at cu int32 [N+1]), conv_state
+    [N, C, W-1] with C = 2 Hk K + Hv V (None: zeros), state [N, Hv, K, V] fp32 (None: zeros) -> (y [T, D] in
+    x's dtype, new conv state [N, C, W-1], new state S [N, Hv, K, V] fp32):
+
+        [q; k; v] = SiLU(ShortConv_W([W_q; W_k; W_v] x))   per sequence (model/short_conv.py, cu_seqlens)
+        q, k repeated from Hk to Hv heads;  q <- L2Norm(q) K^-1/2,  k <- L2Norm(k)
+        beta = sigmoid(W_b x),  g = -e^{A_log} softplus(W_a x + dt_bias)      (one log-decay per head)
+        S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t  (gated_delta.py)
+        y = W_out [RMSNorm_head(o) * SiLU(z)]   (the layer's gated norm)
+
+    Running a sequence in pieces, each from the previous piece's states, equals running it whole."""
+    T = x.shape[0]
+    Hk, Hv, K, Vd = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    mixed, z, b, a = _gdn_inputs(layer, x)
+    w = layer.conv1d.weight.squeeze(1)  # [C, W]
+    mixed = mixed.to(w.dtype)
+    if conv_state is not None:
+        conv_state = conv_state.to(w.dtype)
+    if layer.conv1d.bias is None and layer.activation in ("silu", "swish"):
+        mixed, conv_new = causal_short_conv_silu(mixed, w, cu, conv_state)  # fused kernel on fp32 CPU
+    else:
+        from transformers.activations import ACT2FN
+
+        y, conv_new = causal_short_conv(mixed, w, cu, conv_state)
+        mixed = ACT2FN[layer.activation](y if layer.conv1d.bias is None else y + layer.conv1d.bias)
+    q, k, v = mixed.to(x.dtype).split([Hk * K, Hk * K, Hv * Vd], -1)
+    acc = torch.promote_types(x.dtype, torch.float32)  # the recurrence's dtype: fp32 (fp64 for fp64 models)
+    q, k, v = q.reshape(T, Hk, K).to(acc), k.reshape(T, Hk, K).to(acc), v.reshape(T, Hv, Vd).to(acc)
+    if Hv // Hk > 1:
+        q, k = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)
+    beta = b.sigmoid().to(acc)
+    g = -layer.A_log.to(acc).exp() * F.softplus(a.to(acc) + layer.dt_bias)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        o, S = gated_delta((l2norm(q) * K**-0.5)[None], l2norm(k)[None], v[None], g[None], beta[None],
+                           initial_state=state, cu_seqlens=cu)
+    o = layer.norm(o[0].to(x.dtype).reshape(T * Hv, Vd), z.reshape(T * Hv, Vd))
+    return layer.out_proj(o.reshape(T, Hv * Vd)), conv_new, S
+
+
+def packed_gdn(layer: nn.Module, x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """One transformers Gated DeltaNet layer over packed sequences, per-sequence state resets: x [T, D]
+    (N sequences at cu int32 [N+1]) -> y [T, D] in x's dtype (`stateful_gdn` from zero states)."""
+    return stateful_gdn(layer, x, cu)[0]
+
+
+def cached_gdn(layer: nn.Module, hidden_states: torch.Tensor, cache: Any) -> torch.Tensor:
+    """A Gated DeltaNet layer's call with a transformers cache (TorchEngine): hidden_states [B, T, D] ->
+    y [B, T, D]; per-row conv tail [B, C, W-1] and state S [B, Hv, K, V] fp32 in the cache (`_cached`)."""
+    return _cached(layer, hidden_states, cache, stateful_gdn)
+
+
+class _PackedLinearAttention:
+    """Mixin of a transformers linear-attention layer (KDA, Gated DeltaNet): a full-sequence call without
+    cache runs its stateful function over the packing (`CU_KWARG`; zero start states), a call with a cache (no
+    padding) runs it from the cache rows' states (`_cached`); a padded call is transformers' own forward."""
+
+    stateful: Any = None  # set per layer kind: stateful_kda / stateful_gdn
 
     def forward(self, hidden_states: torch.Tensor, cache_params: Any = None,
                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         cu = kwargs.pop(CU_KWARG, None)
+        stateful = type(self).stateful
         padded = attention_mask is not None and not bool(attention_mask.all())
         if cache_params is not None and not padded:  # TorchEngine / decoding: Odyssey's stateful path
-            return cached_kda(self, hidden_states, cache_params)
+            return _cached(self, hidden_states, cache_params, stateful)
         if cache_params is not None or padded:  # padding: transformers' own path
             return super().forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask,
                                    **kwargs)
@@ -238,7 +341,19 @@ class _PackedKDA:
             cu = torch.arange(0, B * T + 1, max(T, 1), dtype=torch.int32, device=hidden_states.device)[:B + 1]
         elif B != 1:
             raise ValueError(f"a packed call (cu_seqlens) takes one row; got {B} rows")
-        return packed_kda(self, hidden_states.reshape(B * T, D), cu).view(B, T, D)
+        return stateful(self, hidden_states.reshape(B * T, D), cu)[0].view(B, T, D)
+
+
+class _PackedKDA(_PackedLinearAttention):
+    """Mixin of a transformers KDA layer: `stateful_kda` on packed calls and cache rows."""
+
+    stateful = staticmethod(stateful_kda)
+
+
+class _PackedGDN(_PackedLinearAttention):
+    """Mixin of a transformers Gated DeltaNet layer: `stateful_gdn` on packed calls and cache rows."""
+
+    stateful = staticmethod(stateful_gdn)
 
 
 class _PerSequenceDSA:
@@ -279,42 +394,54 @@ def _subclass(mixin: type, base: type) -> type:
     return cls
 
 
+def _swaps(model_type: str) -> list[tuple[str, type]]:
+    """(transformers class name, mixin) pairs that `patch_linear_attention` swaps for `model_type`."""
+    if model_type in KDA_MODELS:
+        _, kda_name, trunk_name, dsa_name = KDA_MODELS[model_type]
+        pairs = [(trunk_name, _PackedTrunk), (kda_name, _PackedKDA)]
+        return pairs + ([(dsa_name, _PerSequenceDSA)] if dsa_name is not None else [])
+    if model_type in GDN_MODELS:
+        _, gdn_name, trunk_name = GDN_MODELS[model_type]
+        return [(trunk_name, _PackedTrunk), (gdn_name, _PackedGDN)]
+    return []
+
+
 def __getattr__(name: str) -> type:
-    """The patched classes by name (`PackedKimiLinearDeltaAttention`, ...), built on first use: a pickled
-    patched model unpickles in a process that has not patched one yet."""
-    for model_type, (_, kda_name, trunk_name, dsa_name) in KDA_MODELS.items():
-        pairs = ((_PackedTrunk, trunk_name), (_PackedKDA, kda_name), (_PerSequenceDSA, dsa_name))
-        for mixin, base_name in pairs:
-            if base_name is not None and name == f"Packed{base_name}":
+    """The patched classes by name (`PackedKimiLinearDeltaAttention`, `PackedQwen3NextGatedDeltaNet`, ...),
+    built on first use: a pickled patched model unpickles in a process that has not patched one yet."""
+    for model_type in (*KDA_MODELS, *GDN_MODELS):
+        for base_name, mixin in _swaps(model_type):
+            if name == f"Packed{base_name}":
                 return _subclass(mixin, getattr(_transformers_module(model_type), base_name))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def patch_linear_attention(hf: nn.Module) -> int:
-    """Make a kimi_linear / glm5_next HF model's packed forward per-sequence correct on Odyssey's KDA kernels
-    (module docstring), in place: its trunk, KDA layers and DSA layers change class to packing-aware
-    subclasses (same parameters, same state_dict). Any other model is left alone. Returns the number of KDA
-    layers patched (0: not a KDA hybrid). Idempotent."""
+    """Make a KDA hybrid (kimi_linear, glm5_next) or Gated DeltaNet hybrid (qwen3_next, qwen3_5,
+    qwen3_5_moe) HF model's packed forward per-sequence correct on Odyssey's kernels (module docstring), in
+    place: its trunk, linear-attention layers (and glm5_next's DSA layers) change class to packing-aware
+    subclasses (same parameters, same state_dict). Any other model is left alone. Returns the number of
+    linear-attention layers patched (0: not such a hybrid). Idempotent."""
     model_type = model_type_of(hf.config)
-    if model_type not in KDA_MODELS:
+    pairs = _swaps(model_type)
+    if not pairs:
         return 0
     mod = _transformers_module(model_type)
-    _, kda_name, trunk_name, dsa_name = KDA_MODELS[model_type]
-    swaps = [(getattr(mod, trunk_name), _PackedTrunk), (getattr(mod, kda_name), _PackedKDA)]
-    if dsa_name is not None:
-        swaps.append((getattr(mod, dsa_name), _PerSequenceDSA))
+    swaps = [(getattr(mod, name), mixin) for name, mixin in pairs]
     n = 0
     for module in hf.modules():
         for base, mixin in swaps:
             if type(module) is base:
                 module.__class__ = _subclass(mixin, base)
-                n += mixin is _PackedKDA
+                n += issubclass(mixin, _PackedLinearAttention)
     return n
 
 
 def has_kda_layers(hf: nn.Module) -> bool:
-    """True when `hf` holds KDA layers patched by `patch_linear_attention` (kimi_linear / glm5_next)."""
-    return any(isinstance(m, _PackedKDA) for m in hf.modules())
+    """True when `hf` holds linear-attention layers patched by `patch_linear_attention` (KDA: kimi_linear,
+    glm5_next; Gated DeltaNet: qwen3_next, qwen3_5, qwen3_5_moe): its TorchEngine cache rows then carry a
+    per-layer `KDAState` (conv tail + recurrent state), whichever of the two rules the layer runs."""
+    return any(isinstance(m, _PackedLinearAttention) for m in hf.modules())
 
 
 def hybrid_causal_lm_classes() -> dict[str, type]:
@@ -351,6 +478,6 @@ def transformers_reference_kernels(model_type: str) -> Iterator[None]:
             setattr(mod, name, fn)
 
 
-__all__ = ["CU_KWARG", "KDA_MODELS", "KDAState", "cached_kda", "has_kda_layers", "hybrid_causal_lm_classes",
-           "packed_kda", "patch_linear_attention", "register_hybrid_causal_lms", "stateful_kda",
-           "transformers_reference_kernels"]
+__all__ = ["CU_KWARG", "GDN_MODELS", "KDA_MODELS", "KDAState", "cached_gdn", "cached_kda", "has_kda_layers",
+           "hybrid_causal_lm_classes", "packed_gdn", "packed_kda", "patch_linear_attention",
+           "register_hybrid_causal_lms", "stateful_gdn", "stateful_kda", "transformers_reference_kernels"]

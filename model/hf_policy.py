@@ -29,18 +29,26 @@ Decoding (TorchEngine): `HFPackedCache` keeps one row per sequence, each a tuple
 token per row) runs as one batched forward: the rows' K/V right-padded to the longest, a 2-D padding mask and
 each row's own position; its result stays batched (`BatchedKV`) for the next step, so consecutive decode
 steps copy no rows, and rows are cut out only when sequences join or leave. Prefill chunks run row by row.
-A KDA hybrid (kimi_linear, glm5_next) keeps, per KDA layer of each row, a `KDAState` (short-conv tail
-[1, 3HK, W-1], recurrent state S [1, H, K, V] fp32) and per DSA layer (K, V, indexer keys); its rows always
-run one forward each (prefill chunks, observations and decode steps alike: `_per_row`), continuing from the
-row's states (model/hf_linear_attention.py `cached_kda`).
+A linear-attention hybrid (KDA: kimi_linear, glm5_next; Gated DeltaNet: qwen3_next, qwen3_5) keeps, per
+linear-attention layer of each row, a `KDAState` (short-conv tail [1, C, W-1], recurrent state S [1, H, K, V]
+fp32) and per DSA layer (K, V, indexer keys). Prefill chunks and observations run one forward per row
+(`_per_row`), continuing from the row's states (model/hf_linear_attention.py `_cached`); decode steps run
+batched as above, the rows' states stacked ([N, C, W-1], [N, H, K, V]) beside the padded K/V and kept
+stacked between steps (glm5_next's DSA rows still decode one row per forward). Its full-attention layers
+take the packed SDPA path in the learner too (the linear-attention layers reset per sequence on their own);
+shared prefixes do not apply (a continuation would need its prefix's recurrent state).
 
 Parameter names are the HF checkpoint's (`model.…`, `lm_head.weight`): the wrapper registers the HF model's
 two children under their own names, so `state_dict()` feeds vLLM's own model code and `save_pretrained`
 writes a checkpoint any HF tool reads.
 
-What does not apply (Odyssey's own model only): routing replay (R3) and expert-load metrics (an HF MoE's
-router is not recorded), sequence-chunked and context-parallel forwards, the balancing-bias update.
-`moe_layer_indices` is empty, so the learner and the engines treat the policy as dense for routing.
+Routing replay (R3) of an HF MoE (qwen3_moe, mixtral, olmoe, kimi_linear, ... : model/hf_routing.py): its
+routers are hooked (`self.routing`, `moe_layer_indices` = the decoder layers with a router), TorchEngine
+records every fed token's free top-k (`packed_logits_routed`), and the learner's packed forward replays them
+(`packed_hidden_routed(replay_experts=[T, n_moe, k])`), with expert-load metrics per MoE layer.
+What does not apply (Odyssey's own model only): sequence-chunked and context-parallel forwards, the
+balancing-bias update. An HF MoE whose router class is not in model/hf_routing.py has no `routing`
+(`moe_layer_indices` empty): the learner and the engines treat it as dense for routing.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ from model.hf_linear_attention import (
     patch_linear_attention,
     register_hybrid_causal_lms,
 )
+from model.hf_routing import HFRouting, find_routed_layers, recompute_scope
 
 ODYSSEY_MODEL_TYPE = "odyssey_moe"
 
@@ -107,8 +116,16 @@ def _packing_scope(packing: _Packing | None):
 
 def _packing_context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """torch.utils.checkpoint `context_fn`: a checkpointed layer's recomputation (in the backward, after
-    packed_hidden returned) sees the boundaries of the forward that saved it."""
-    return contextlib.nullcontext(), _packing_scope(_PACKING.get())
+    packed_hidden returned) sees the boundaries of the forward that saved it, and its replayed experts
+    (model/hf_routing.py `recompute_scope`: same experts, nothing recorded)."""
+    packing, routing = _PACKING.get(), recompute_scope()
+
+    @contextlib.contextmanager
+    def recompute():
+        with _packing_scope(packing), routing:
+            yield
+
+    return contextlib.nullcontext(), recompute()
 
 
 def packed_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -177,16 +194,22 @@ def packed_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: int
                      kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
 
 
-def _use_packed_attention(config) -> bool:
+def _use_packed_attention(config, recurrent: bool = False) -> bool:
     """Switch an sdpa / eager model of full-attention layers to "odyssey_packed_sdpa" (registered here).
-    Flash-attention models keep their varlen kernels; sliding-window models keep transformers' masks."""
+    recurrent: the model's linear-attention layers are patched (model/hf_linear_attention.py: they run per
+    sequence on their own), so only its full-attention layers take packed_sdpa; a Gated DeltaNet / KDA hybrid
+    (qwen3_next, qwen3_5, kimi_linear) then attends per sequence, O(sum L_i^2), instead of through
+    transformers' block-diagonal [T, T] mask. Flash-attention models keep their varlen kernels;
+    sliding-window models, and DSA layers (glm5_next: indexer top-k, run per sequence by the patch), keep
+    transformers' masks."""
     from transformers import AttentionInterface
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionLayer
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     if config._attn_implementation not in ("sdpa", "eager", PACKED_ATTENTION):
         return False
-    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=config).layers):
+    allowed = (DynamicLayer, LinearAttentionLayer) if recurrent else (DynamicLayer,)
+    if any(type(layer) not in allowed for layer in DynamicCache(config=config).layers):
         return False
     AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, packed_mask)
@@ -264,12 +287,14 @@ def _append_layer_class() -> type:
 @dataclass(frozen=True)
 class BatchedKV:
     """Rows decoded together, kept batched between decode steps: per layer (K, V) [N, H_kv, W, D_h] (views of
-    `buffers`, where the next step appends in place) and valid bool [N, W] (row i's tokens are its valid
-    columns, in order; a shorter row has padding columns)."""
+    `buffers`, where the next step appends in place) of an attention layer, or a `KDAState` of the N rows'
+    stacked states (conv tails [N, C, W-1], recurrent S [N, H, K, V] fp32) of a linear-attention layer (its
+    buffer None); valid bool [N, W] (row i's tokens are its valid columns, in order; a shorter row has
+    padding columns)."""
 
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    layers: tuple[tuple[torch.Tensor, torch.Tensor] | KDAState, ...]
     valid: torch.Tensor
-    buffers: tuple[KVBuffer, ...]
+    buffers: tuple[KVBuffer | None, ...]
 
 
 def _row_length(row: tuple | None) -> int:
@@ -307,9 +332,10 @@ class HFPackedCache:
             rows = []
             for i, ok in enumerate(self.batch.valid):
                 idx = None if bool(ok.all()) else ok.nonzero().squeeze(1)
-                rows.append(tuple((k[i:i + 1], v[i:i + 1]) if idx is None else
-                                  (k[i:i + 1].index_select(2, idx), v[i:i + 1].index_select(2, idx))
-                                  for k, v in self.batch.layers))
+                rows.append(tuple(KDAState(e.conv[i:i + 1], e.recurrent[i:i + 1]) if isinstance(e, KDAState)
+                                  else (e[0][i:i + 1], e[1][i:i + 1]) if idx is None else
+                                  (e[0][i:i + 1].index_select(2, idx), e[1][i:i + 1].index_select(2, idx))
+                                  for e in self.batch.layers))
             self._rows = tuple(rows)
         return self._rows
 
@@ -353,14 +379,22 @@ class HFPolicy(nn.Module):
                 "Use a model whose logits are a plain linear head"
             )
         patch_linear_attention(hf)  # kimi_linear / glm5_next: packed KDA layers, model/hf_linear_attention.py
-        #: a KDA hybrid: its TorchEngine cache rows carry per-layer KDA state (`KDAState`), decoded row by row
+        #: a KDA / Gated DeltaNet hybrid: its TorchEngine cache rows carry per-layer state (`KDAState`)
         self.recurrent = has_kda_layers(hf)
         self.__dict__["hf"] = hf  # not registered: its two children are, under their own names
         self.model = hf.model
         self.lm_head = hf.lm_head
         self.config = cfg
-        self.moe_layer_indices: list[int] = []  # routing is not recorded for HF models (no R3)
-        self.packed_attention = _use_packed_attention(cfg)
+        routed = find_routed_layers(hf, int(getattr(cfg, "moe_load_window", 100) or 100))
+        #: router hooks of an HF MoE (routing replay, expert load; model/hf_routing.py), None when dense
+        self.routing: HFRouting | None = HFRouting(routed) if routed else None
+        self.moe_layer_indices: list[int] = list(self.routing.layer_indices) if routed else []
+        #: the attention layers run "odyssey_packed_sdpa" (per-sequence SDPA; hybrids' full-attention layers
+        #: too)
+        self.per_sequence_attention = _use_packed_attention(cfg, self.recurrent)
+        #: packed SDPA with shared prefixes (prefix_of) available: not for a hybrid (a continuing sequence
+        #: would need its prefix's conv and recurrent state); the learner's `share_prefixes` reads this
+        self.packed_attention = self.per_sequence_attention and not self.recurrent
         self.source: Path | None = None  # the checkpoint it was loaded from: its tokenizer travels with it
         self.train(hf.training)
         self.verify_packing()
@@ -460,15 +494,51 @@ class HFPolicy(nn.Module):
         return all(getattr(f, "keywords", {}).get("context_fn") is _packing_context_fn for f in fns)
 
     # ---- packed forward (learner) ---------------------------------------------------------------
+    @property
+    def n_routed_experts(self) -> int:
+        """Routed experts per MoE layer (0: dense, or a router model/hf_routing.py does not know)."""
+        return self.routing.n_experts if self.routing is not None else 0
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        """Top-k of the MoE layers (0: dense)."""
+        return self.routing.top_k if self.routing is not None else 0
+
+    def _routing_scope(self, replay_experts: torch.Tensor | None, return_routed: bool, T: int,
+                       device: torch.device) -> contextlib.AbstractContextManager:
+        """The router-hook scope of one forward (model/hf_routing.py); load and agreement are tracked only in
+        a training forward with gradients (the learner's loss forward), as Odyssey's MoE records."""
+        if self.routing is None:
+            if replay_experts is not None or return_routed:
+                raise ValueError(f"{type(self.hf).__name__} has no MoE router known to Odyssey's routing "
+                                 "replay (model/hf_routing.py ROUTER_FORMULAS); set "
+                                 "learner.routing_replay=false")
+            return contextlib.nullcontext()
+        rep = None if replay_experts is None else self.routing.check_replay(replay_experts, T, device)
+        return self.routing.scope(rep, record=return_routed, track=self.training and torch.is_grad_enabled())
+
     def packed_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                       prefix_of: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [T], cu_seqlens int [N+1] (0 .. T) -> last hidden states [T, D]; each sequence attends
-        only to itself, with positions from 0; prefix_of int [N] (module docstring, packed SDPA only): a
-        sequence i with prefix_of[i] = j >= 0 attends to all of sequence j first, at positions after it."""
+        """input_ids [T], cu_seqlens int [N+1] (0 .. T) -> last hidden states [T, D] (free routing)."""
+        return self.packed_hidden_routed(input_ids, cu_seqlens, prefix_of)[0]
+
+    def packed_hidden_routed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                             prefix_of: torch.Tensor | None = None,
+                             replay_experts: torch.Tensor | None = None,
+                             return_routed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids [T], cu_seqlens int [N+1] (0 .. T) -> (last hidden states [T, D], the routers' free
+        top-k int64 [T, n_moe, k] if return_routed else None); each sequence attends only to itself, with
+        positions from 0; prefix_of int [N] (module docstring, packed SDPA only): a sequence i with
+        prefix_of[i] = j >= 0 attends to all of sequence j first, at positions after it. replay_experts
+        [T, n_moe, k] (an HF MoE): the experts every MoE layer runs (routing replay, model/hf_routing.py)."""
         if input_ids.dim() != 1 or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
             raise ValueError(f"packed input: input_ids must be [T] and cu_seqlens run from 0 to T; got "
                              f"input_ids {tuple(input_ids.shape)}, cu_seqlens {cu_seqlens.tolist()[:8]}")
         cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+        if prefix_of is not None and self.recurrent:
+            raise ValueError("shared prefixes (learner.share_prefixes) are not supported for hybrid "
+                             "linear-attention models: a continuing sequence would need its prefix's "
+                             "recurrent and conv state. Set learner.share_prefixes=false")
         if prefix_of is not None and not self.packed_attention:
             raise ValueError(f"shared prefixes need the packed SDPA attention; this model runs "
                              f"{self.config._attn_implementation!r}: set learner.share_prefixes=false")
@@ -476,7 +546,7 @@ class HFPolicy(nn.Module):
         lens = cu[1:] - cu[:-1]
         longest = int(lens.max())
         varlen = {}
-        if self.packed_attention or self.config._attn_implementation.startswith("flash"):
+        if self.per_sequence_attention or self.config._attn_implementation.startswith("flash"):
             varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         if prefix_of is not None:
             varlen["odyssey_prefix_of"] = prefix_of
@@ -485,9 +555,11 @@ class HFPolicy(nn.Module):
             raise ValueError("activation checkpointing was enabled on the HF model directly; its "
                              "recomputation would not see the packed sequence boundaries. Enable it with "
                              "HFPolicy.gradient_checkpointing_enable()")
-        with _packing_scope(_Packing(cu, prefix_of, int(cu[-1])) if self.packed_attention else None):
+        T = input_ids.shape[0]
+        with (_packing_scope(_Packing(cu, prefix_of, int(cu[-1])) if self.per_sequence_attention else None),
+              self._routing_scope(replay_experts, return_routed, T, input_ids.device) as record):
             out = self.model(input_ids=input_ids[None], position_ids=pos[None], use_cache=False, **varlen)
-        return out.last_hidden_state[0]
+        return out.last_hidden_state[0], (HFRouting.stack(record) if return_routed else None)
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., D] -> logits [..., V] (model dtype)."""
@@ -540,7 +612,7 @@ class HFPolicy(nn.Module):
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         if len(lens) != len(cache):
             raise ValueError(f"{len(lens)} sequences in cu_seqlens but {len(cache)} cache rows")
-        if len(lens) > 1 and all(n == 1 for n in lens) and min(cache.lengths) > 0 and not self.recurrent:
+        if len(lens) > 1 and all(n == 1 for n in lens) and min(cache.lengths) > 0 and self._batchable(cache):
             h, new = self._decode_batched(input_ids, cache)
         else:
             h, rows = self._per_row(input_ids, lens, cache)
@@ -548,6 +620,40 @@ class HFPolicy(nn.Module):
         if logit_index is not None:
             h = h[logit_index]
         return self.head_logits(h).float(), new
+
+    def packed_logits_routed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cache: HFPackedCache,
+                             logit_index: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None, HFPackedCache]:
+        """`packed_logits` that also returns every fed token's routed experts, the routers' free top-k int64
+        [T, n_moe, k] in input_ids order (None for a dense model): TorchEngine's recording for routing
+        replay."""
+        if self.routing is None:
+            logits, new = self.packed_logits(input_ids, cu_seqlens, cache, logit_index)
+            return logits, None, new
+        with self.routing.scope(record=True) as record:
+            logits, new = self.packed_logits(input_ids, cu_seqlens, cache, logit_index)
+        routed = HFRouting.stack(record)
+        if routed.shape[0] != input_ids.shape[0]:  # every token passes every router exactly once
+            raise RuntimeError(f"recorded routes of {routed.shape[0]} tokens for a forward of "
+                               f"{input_ids.shape[0]}")
+        return logits, routed, new
+
+    @staticmethod
+    def _batchable(cache: HFPackedCache) -> bool:
+        """A decode step of these rows can run batched: every layer entry is attention (K, V) or a
+        linear-attention `KDAState` (a DSA layer's indexer keys, glm5_next, run row by row)."""
+        if cache.batch is not None:
+            return True
+        return all(isinstance(e, KDAState) or len(e) == 2 for e in cache.rows[0])
+
+    @staticmethod
+    def _set_linear_state(layer, entry: KDAState) -> None:
+        """Point a transformers LinearAttentionLayer at `entry`'s conv tails [B, C, W-1] and recurrent states
+        [B, H, K, V] (read, and replaced with new tensors, by model/hf_linear_attention.py `_cached`)."""
+        layer.conv_states[0], layer.recurrent_states[0] = entry.conv, entry.recurrent
+        layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+        layer.has_previous_state[0] = True
+        layer.dtype, layer.device = entry.conv.dtype, entry.conv.device
 
     def _dynamic_cache(self, data) -> object:
         """A DynamicCache holding one cache row `data` (None: empty) without copying it
@@ -559,10 +665,7 @@ class HFPolicy(nn.Module):
         dc = DynamicCache(config=self.config)
         for layer, entry in zip(dc.layers, data or ()):
             if isinstance(entry, KDAState):
-                layer.conv_states[0], layer.recurrent_states[0] = entry.conv, entry.recurrent
-                layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
-                layer.has_previous_state[0] = True
-                layer.dtype, layer.device = entry.conv.dtype, entry.conv.device
+                self._set_linear_state(layer, entry)
                 continue
             k, v = entry[0], entry[1]
             layer.lazy_initialization(k, v)
@@ -589,8 +692,8 @@ class HFPolicy(nn.Module):
         return tuple(row)
 
     def _per_row(self, input_ids: torch.Tensor, lens: list[int], cache: HFPackedCache):
-        """The obvious path: one forward per sequence on its own DynamicCache (always taken by the KDA
-        hybrids, whose decode steps then run one row at a time)."""
+        """The obvious path: one forward per sequence on its own DynamicCache (prefills, observations; decode
+        steps of glm5_next's DSA rows)."""
         hs, rows, start = [], [], 0
         for n, row, past in zip(lens, cache.rows, cache.lengths):
             if n == 0:
@@ -611,16 +714,25 @@ class HFPolicy(nn.Module):
                         cache: HFPackedCache) -> tuple[torch.Tensor, HFPackedCache]:
         """One new token per row, in one forward: the rows' K/V batched (as the previous decode step left
         them, or right-padded to the longest row), a padding mask over [past..., new], position_ids = each
-        row's length. The result stays batched for the next step (no per-row copies)."""
+        row's length; a linear-attention layer's rows (hybrids) stacked, conv tails [N, C, W-1] and recurrent
+        states [N, H, K, V], each row stepping from its own (model/hf_linear_attention.py `_cached`: the
+        layer sees no padding, since a decode token never is). The result stays batched for the next step
+        (no per-row copies)."""
         if cache.batch is not None:
             valid, W = cache.batch.valid, int(cache.batch.valid.shape[1])
-            buffers = cache.batch.buffers
+            buffers, states = cache.batch.buffers, cache.batch.layers
         else:
             L = cache.lengths
             N, Lmax, dev = len(L), max(L), input_ids.device
             valid = torch.arange(Lmax, device=dev)[None] < torch.tensor(L, device=dev)[:, None]
-            buffers = []
+            buffers, states = [], []
             for j in range(len(cache.rows[0])):
+                if isinstance(cache.rows[0][j], KDAState):
+                    buffers.append(None)
+                    states.append(KDAState(torch.cat([r[j].conv for r in cache.rows]),
+                                           torch.cat([r[j].recurrent for r in cache.rows])))
+                    continue
+                states.append(None)
                 k0, v0 = cache.rows[0][j]
                 # zeros in the padding columns (masked: finite, so no NaN through the masked softmax) and room
                 # for the next 64 decode steps before the buffers grow
@@ -631,28 +743,50 @@ class HFPolicy(nn.Module):
                 buffers.append(KVBuffer(K, V, Lmax))
             W = Lmax
         dc = self._dynamic_cache(None)
-        dc.layers = [_append_layer_class()(b, W) for b in buffers]
+        layers = list(dc.layers)
+        for j, (b, st) in enumerate(zip(buffers, states)):
+            if b is None:  # linear attention: its LinearAttentionLayer holding the stacked states
+                self._set_linear_state(layers[j], st)
+            else:
+                layers[j] = _append_layer_class()(b, W)
+        dc.layers = layers
         valid = torch.cat([valid, valid.new_ones(valid.shape[0], 1)], 1)
         mask = None if bool(valid.all()) else valid
         positions = valid.sum(1, keepdim=True) - 1
         out = self.model(input_ids=input_ids[:, None], position_ids=positions, attention_mask=mask,
                          past_key_values=dc, use_cache=True)
-        batch = BatchedKV(tuple((layer.keys, layer.values) for layer in dc.layers), valid,
-                          tuple(layer.buf for layer in dc.layers))
+        entries = tuple((layer.keys, layer.values) if b is not None else
+                        KDAState(layer.conv_states[0], layer.recurrent_states[0])
+                        for layer, b in zip(dc.layers, buffers))
+        batch = BatchedKV(entries, valid, tuple(layer.buf if b is not None else None
+                                                for layer, b in zip(dc.layers, buffers)))
         return out.last_hidden_state[:, 0], HFPackedCache(batch=batch)
 
-    # ---- Odyssey-only features: documented no-ops -----------------------------------------------
-    def moe_layers(self) -> list[nn.Module]:
-        """No Odyssey MoE layers: routing replay and expert-load metrics do not apply to HF models."""
-        return []
+    # ---- MoE: expert load (routing replay is in packed_hidden_routed) -----------------------------
+    def moe_layers(self) -> list:
+        """The MoE layers' model/hf_routing.py RoutedLayer (each with its `load_tracker`), in
+        moe_layer_indices order; empty for a dense model."""
+        return list(self.routing.layers) if self.routing is not None else []
 
-    def expert_load_metrics(self) -> dict[str, float]:
-        """Empty: expert-load metrics are recorded by Odyssey's LatentMoE only."""
-        return {}
+    def expert_load_metrics(self) -> dict[str, float | list]:
+        """Expert-load metrics of the last step, named as Odyssey's ("moe/layer{l}/<metric>" plus summaries;
+        model/moe.py aggregate_load_metrics); empty for a dense model."""
+        from model.moe import aggregate_load_metrics
+
+        if self.routing is None:
+            return {}
+        return aggregate_load_metrics({x.layer_idx: x.load_tracker.metrics() for x in self.routing.layers})
 
     def update_router_biases(self) -> None:
-        """Nothing to update: HF models have no Odyssey balancing bias (and the learner does not add an
-        HF MoE's auxiliary load-balancing loss)."""
+        """No balancing bias to update (an HF MoE keeps its own routing; the learner adds no auxiliary
+        load-balancing loss). Closes the expert-load step (summed over data-parallel ranks first), as
+        LatentMoE.update_bias does."""
+        import torch.distributed as dist
+
+        for layer in self.moe_layers():
+            if dist.is_available() and dist.is_initialized():
+                layer.load_tracker.all_reduce()
+            layer.load_tracker.close_step()
 
 
 __all__ = ["BatchedKV", "HFPolicy", "HFPackedCache", "is_odyssey_checkpoint", "positions_from_cu_seqlens"]

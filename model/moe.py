@@ -182,6 +182,7 @@ class LatentMoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.record_statistics = True  # off: forwards feed neither the balancer nor the load tracker
         self.process_group = None  # data-parallel group for the balancing all-reduces (None = default)
+        self.expert_parallel = None  # model/expert_parallel.py: runs the experts sharded across ranks
         self._quantile = QuantileStats(k)
         self._sign = SignStats(n)
         self.load_tracker = ExpertLoadTracker(n, k, int(config.moe_load_window))
@@ -252,14 +253,16 @@ class LatentMoE(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if replay_experts is not None:
             replay_experts = replay_experts.reshape(-1, replay_experts.shape[-1])
-        small = self.forward_small(x2, replay_experts)
+        small = self.forward_small(x2, replay_experts) if self.expert_parallel is None else None
         if small is not None:
             y, idx = small
             return y.reshape(*lead, y.shape[-1]), idx.reshape(*lead, self.k)
         scores, idx, p = self.router(x2, replay_experts)
         self._observe(scores, idx, p)
         z = self.latent_down(x2)
-        y = self.latent_up(self.latent_norm(self.dispatch(z, idx, p)))
+        ep = self.expert_parallel  # None, or the experts on their owning ranks (model/expert_parallel.py)
+        routed = self.dispatch(z, idx, p) if ep is None else ep.dispatch(self, z, idx, p)
+        y = self.latent_up(self.latent_norm(routed))
         for shared in self.shared_experts:
             y = y + shared(x2)
         return y.reshape(*lead, y.shape[-1]), idx.reshape(*lead, self.k)

@@ -11,6 +11,7 @@ Each command group lives with the code it drives; this file only dispatches:
     odyssey train CONFIG [k=v ...]            -> rl.train.cli.cli_main
     odyssey eval CONFIG --checkpoint DIR      -> rl.train.eval.cli_main
     odyssey report RUN_DIR                    -> rl.train.report.cli_main
+    odyssey plan --preset k3 [...]            -> rl.plan.cli.cli_main
 
 Imports are lazy so `odyssey --help` answers instantly and one broken group cannot break the others.
 Every run command (RUN_COMMANDS) first reaps the sandbox containers of dead owners on this host
@@ -34,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("rl.train.eval", "cli_main", "held-out evaluation: eval CONFIG --checkpoint DIR --episodes N"),
     "report": ("rl.train.report", "cli_main", "plots and report.md of a training run: report RUN_DIR"),
     "config": ("rl.config", "cli_main", "show a resolved run config: config show FILE [k=v ...]"),
+    "plan": ("rl.plan.cli", "cli_main", "GPUs, per-rank memory and step time of a run: plan --preset k3"),
     "model": ("model.count", "cli_main", "model tools: model params --preset tiny|small|k3 [--json]"),
     "sandbox": ("sandbox.image", "cli_main", "sandbox image and containers: sandbox build|ls|gc"),
     "envs": ("envs.registry", "cli_main", "environments: envs list"),

@@ -10,8 +10,9 @@ sequence at a time. Tolerances (fp32), measured values in docs/hf.md "Hybrid mod
   activation checkpointing, whose recomputation must see the packing too);
 - without the patch, transformers' packed forward leaks state: the first sequence is right, later ones are
   off by > 1e-2 (what the patch fixes);
-- config load refuses other hybrids (Gated DeltaNet, Mamba, ...), and KDA hybrids for rollout on vLLM,
-  naming why; KDA hybrids load for rollout.engine=torch;
+- config load refuses other hybrids (Mamba, olmo_hybrid's Gated DeltaNet, ...), and KDA hybrids for rollout on
+  vLLM, naming why; KDA hybrids load for rollout.engine=torch, also from their own config.json (layer_types
+  with linear_attention / indexed_attention); Gated DeltaNet hybrids: tests/test_hf_gated_delta.py;
 - TorchEngine (per-row KDA state in HFPackedCache): cache rows continued by decode steps, multi-token
   observations, forks (`select`) and `concat` == the full forward (fp32, <= 1e-4); greedy == transformers'
   greedy loop, token for token; rollout log-probs of two-turn sessions of a group, and after a weight
@@ -207,9 +208,9 @@ def _cfg(tmp_path, saved: dict, *extra: str):
 
 
 @pytest.mark.parametrize("saved, needle", [
-    ({"model_type": "qwen3_next", "vocab_size": V}, "'qwen3_next' is a hybrid with Gated DeltaNet"),
-    ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "vocab_size": V}},
-     "'qwen3_5' is a hybrid with Gated DeltaNet"),
+    ({"model_type": "olmo_hybrid", "vocab_size": V}, "'olmo_hybrid' is a hybrid with Gated DeltaNet"),
+    ({"model_type": "qwen4_exp", "text_config": {"model_type": "qwen4_exp_text", "vocab_size": V}},
+     "'qwen4_exp' is a hybrid with Gated DeltaNet"),
     ({"model_type": "nemotron_h", "vocab_size": V}, "'nemotron_h' is a hybrid with Mamba state-space"),
     ({"model_type": "my_hybrid", "vocab_size": V, "layer_types": ["full_attention", "mamba"]},
      "hybrid with layers of type mamba"),
@@ -233,6 +234,17 @@ def test_kda_hybrids_load_for_torch_rollout_and_are_refused_for_vllm(tmp_path, m
     assert f"{model_type} (a KDA hybrid) trains in Odyssey's learner and generates with TorchEngine" in msg
     assert "rollout.engine=vllm cannot generate with it yet" in msg
     assert "Set rollout.engine=torch (TorchEngine)" in msg
+
+
+def test_kda_checkpoints_own_config_loads_for_torch_rollout(tmp_path, hybrid):
+    """The checkpoint's own config.json (its layer_types name linear_attention / indexed_attention layers,
+    which a full-attention model may not have) loads for rollout.engine=torch."""
+    model_type, path = hybrid
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text("env: {id: arith}\n")
+    cfg = load_config(cfg_path, [f"model.hf_path={path}", "learner.group_size=2", "rollout.episodes=4",
+                                 "rollout.engine=torch"])
+    assert cfg.rollout.engine == "torch"
 
 
 # ------------------------------------------------------------------------------------------------ TorchEngine

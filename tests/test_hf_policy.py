@@ -369,9 +369,9 @@ def test_hf_path_errors_name_the_problem(llama_dir, tmp_path):
     assert "vocab_size (100) is smaller than Odyssey's tokenizer" in str(e.value)
 
 
-def test_routing_replay_does_not_apply_and_says_so_for_an_hf_moe(llama_dir, tmp_path):
-    """learner.routing_replay (default true) is off for HF models (no recorded routing); for an HF MoE the
-    learner warns that it does not apply, for a dense one there is nothing to say."""
+def test_routing_replay_is_off_for_a_dense_hf_model_and_on_for_an_hf_moe(llama_dir, tmp_path):
+    """learner.routing_replay (default true) has nothing to replay in a dense HF model; an HF MoE replays its
+    recorded routes (model/hf_routing.py, tests/test_hf_routing.py), silently in both cases."""
     import warnings
 
     from rl.learner import Learner
@@ -379,11 +379,9 @@ def test_routing_replay_does_not_apply_and_says_so_for_an_hf_moe(llama_dir, tmp_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dense = Learner(_cfg(tmp_path, llama_dir))
+        moe = Learner(_cfg(tmp_path, make_qwen3_moe(tmp_path / "moe")))
     assert dense.replay is False and dense.facts.n_moe_layers == 0
-    moe_dir = make_qwen3_moe(tmp_path / "moe")
-    with pytest.warns(UserWarning, match="routing_replay does not apply to Qwen3MoeForCausalLM"):
-        moe = Learner(_cfg(tmp_path, moe_dir))
-    assert moe.replay is False
+    assert moe.replay is True and moe.facts.n_moe_layers == 2
 
 
 def test_a_session_object_is_reused_unchanged_after_a_forward(llama_dir):

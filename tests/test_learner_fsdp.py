@@ -4,21 +4,19 @@ a resume from a checkpoint equals the uninterrupted run, and each rank holds abo
 gradient and AdamW bytes. For Odyssey's model (MoE with the quantile balancer's router biases and routing
 replay) and for an HF Llama.
 
-The backend is gloo on CPU; ODYSSEY_LEARNER_BACKEND=nccl runs the same tests with one GPU per rank (a machine
-with at least 4 GPUs).
+The backend is gloo on CPU; ODYSSEY_TEST_BACKEND=nccl (tests/dist_backend.py, bench/gpu_sharding.sh) runs the
+same tests with one GPU per rank; a test with more ranks than GPUs is skipped, saying so.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 from rl.learner import Learner
+from tests.dist_backend import GPUS_PER_RANK, require_ranks
 from tests.learner_fixtures import ragged_batch, small_config
 
-BACKEND = os.environ.get("ODYSSEY_LEARNER_BACKEND", "gloo")
 # fp32: FSDP reduce-scatters every micro-batch's gradient (the single rank sums them in one buffer), so the
 # sums run in another order; Adam's normalised update carries that into the weights, most where a gradient is
 # near zero (rarely hit embedding rows of the HF Llama's 4096-token vocabulary). Measured (weights, rel to how
@@ -39,8 +37,8 @@ def _flat(sd: dict[str, torch.Tensor], keys) -> torch.Tensor:
 def _group(cfg):
     from rl.learner.group import LearnerGroup
 
-    gpus = 1 if BACKEND == "nccl" else 0
-    return LearnerGroup(cfg, torch_threads=1, num_gpus=gpus)
+    require_ranks(cfg.learner.num_ranks)
+    return LearnerGroup(cfg, torch_threads=1, num_gpus=GPUS_PER_RANK)
 
 
 def _run(cfg, batches: list, tmp_path):
@@ -138,14 +136,29 @@ def test_fsdp_ranks_equal_one_rank_on_an_hf_model(ray_session, tmp_path, n_ranks
 
 
 def test_sharding_config_problems_name_what_exists():
-    """ep / fsdp+ep are refused as not built yet, naming the values that exist; FSDP with sequence chunking or
+    """ep / fsdp+ep with a rank count that does not divide the experts, on a model without MoE layers, or with
+    sequence chunking / context parallelism are refused naming the fix; FSDP with sequence chunking or
     context parallelism is refused naming the key to change."""
     from rl.config import ConfigError, load_config
 
-    with pytest.raises((ConfigError, ValueError)) as e:
-        load_config("configs/tiny.yaml", ["learner.sharding=fsdp+ep", "learner.num_ranks=2"])
-    assert "learner.sharding=fsdp+ep (expert parallelism) is not built yet" in str(e.value)
-    assert "'fsdp' (FSDP2" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", ["learner.sharding=fsdp+ep", "learner.num_ranks=3"])
+    assert "learner.num_ranks (3) must divide n_routed_experts (16)" in str(e.value)
+    assert "[1, 2, 4, 8, 16]" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", ["learner.sharding=ep", "learner.num_ranks=2",
+                                          "model.overrides={num_hidden_layers: 2, first_k_dense: 2}"])
+    assert "learner.sharding=ep needs MoE layers, and this model has none" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", ["learner.sharding=ep", "learner.num_ranks=2",
+                                          "learner.sequence_chunk_tokens=1024"])
+    assert "learner.sharding=ep and learner.sequence_chunk_tokens do not combine yet" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", ["learner.sharding=fsdp+ep", "learner.num_ranks=4",
+                                          "learner.context_parallel=2"])
+    assert "learner.sharding=fsdp+ep and learner.context_parallel > 1 do not combine yet" in str(e.value)
+    cfg = load_config("configs/tiny.yaml", ["learner.sharding=fsdp+ep", "learner.num_ranks=4"])
+    assert cfg.learner.sharding == "fsdp+ep"
     with pytest.raises((ConfigError, ValueError)) as e:
         load_config("configs/tiny.yaml", ["learner.sharding=fsdp", "learner.num_ranks=2",
                                           "learner.sequence_chunk_tokens=1024"])

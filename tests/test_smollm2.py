@@ -211,3 +211,28 @@ def test_the_embedded_model_loads_as_a_policy_and_packs_exactly(converted: Path)
             alone = torch.log_softmax(logits, -1).gather(-1, s[1:, None])[:, 0]
             got = packed[int(cu[k]) : int(cu[k]) + len(s) - 1]
             assert (got - alone).abs().max().item() <= 1e-4, k
+
+
+def test_arith_words_dataset_is_its_generator_output_with_disjoint_held_out_rows():
+    """configs/smollm2_arith_qa.yaml's dataset is examples/arith_words/make.py's output, byte for byte, every
+    question once, so the 64 held-out rows (rl.rollout.tasks' eval split) never appear among training rows."""
+    import importlib.util
+
+    from rl.rollout.tasks import load_dataset
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("arith_words_make", root / "examples/arith_words/make.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    rows = make.rows(make.ROWS)
+    path = root / "examples/arith_words/arith_words.jsonl"
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in rows)
+    assert len({r["prompt"] for r in rows}) == len(rows) == 640
+    for r in rows:  # every answer is the question's arithmetic
+        _, _, a, op, b = r["prompt"].rstrip("?").split()
+        a, b = int(a), int(b)
+        assert int(r["answer"]) == {"plus": a + b, "minus": a - b, "times": a * b}[op]
+    data = load_dataset(load_config(str(root / "configs/smollm2_arith_qa.yaml")))
+    held = {data.rows[i]["prompt"] for i in data.eval}
+    train = {data.rows[i]["prompt"] for i in data.train}
+    assert len(held) == 64 and len(train) == 576 and not held & train

@@ -7,7 +7,15 @@ from __future__ import annotations
 import json
 import math
 
-from rl.train.report import PLOTS, cli_main, layer_matrix, read_jsonl, stage_boundaries, write_report
+from rl.train.report import (
+    PLOTS,
+    cli_main,
+    eval_wall_s,
+    layer_matrix,
+    read_jsonl,
+    stage_boundaries,
+    write_report,
+)
 
 
 def _write(path, records, tail: str = "") -> None:
@@ -45,7 +53,14 @@ def test_a_dense_run_without_trajectories_still_gets_every_plot(tmp_path):
     md = write_report(run).read_text()
     for png in PLOTS:
         assert (run / "report" / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in md
-    assert "| 3 | 0.500 | - |" in md and "Stages" not in md and "Skipped" not in md
+    assert "| 3 | 6.000 | 0.500 | - |" in md and "Stages" not in md and "Skipped" not in md
+    assert "| 0 | 0.000 | 0.250 | - |" in md  # held-out success against wall seconds: the evaluated step's
+
+
+def test_eval_wall_seconds_are_the_evaluated_steps():
+    recs = [{"step": 1, "wall_s": 5.0}, {"step": 2, "wall_s": 9.5}, {"step": 3}]
+    evals = [{"step": 0, "success": 0.1}, {"step": 2, "success": 0.4}, {"step": 3, "success": 0.7}]
+    assert eval_wall_s(recs, evals) == [(0.0, 0.1), (9.5, 0.4)]  # step 3 has no wall_s: not placed
 
 
 def test_errors_name_the_problem(tmp_path, capsys):

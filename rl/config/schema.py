@@ -165,7 +165,8 @@ class LearnerSection(_Section):
     # ranks one micro-batch is split across, in contiguous shards (model/context_parallel.py); 1 = off
     context_parallel: int = Field(1, ge=1)
     # how the ranks hold the model: none = data parallelism (a whole copy each, DDP); fsdp = FSDP2
-    # (parameters, gradients and AdamW state sharded over the ranks, rl/learner/fsdp.py); ep: not built yet
+    # (parameters, gradients and AdamW state sharded over the ranks, rl/learner/fsdp.py); ep = DDP with the
+    # routed experts split over the ranks (model/expert_parallel.py); fsdp+ep = FSDP2 plus the experts split
     sharding: Literal["none", "fsdp", "ep", "fsdp+ep"] = "none"
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype; auto: bf16 on CUDA
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # the gradient reduce-scatter's dtype

@@ -215,11 +215,12 @@ class TrainModule(nn.Module):
                prefix_of: torch.Tensor | None = None) -> ForwardOut:
         """`forward` in one pass over the whole micro-batch (with its images, if any; prefix_of: its shared
         prefixes, an HF policy only)."""
-        if isinstance(self.policy, HFPolicy):  # packed via position_ids (model/hf_policy.py); no routing
+        if isinstance(self.policy, HFPolicy):  # packed; an HF MoE replays (model/hf_routing.py)
             if images is not None:
                 raise ValueError("a Hugging Face policy (model.hf_path) reads text only; these trajectories "
                                  "hold images: train them with an Odyssey preset (model.preset)")
-            h, routed, aux = self.policy.packed_hidden(ids, cu, prefix_of), None, None
+            h, routed = self.policy.packed_hidden_routed(ids, cu, prefix_of, rep, return_routed)
+            aux = None
         else:
             h, _, routed, aux = self.policy.model(ids, cu, None, rep, return_routed, images)
         hs = h[pos]

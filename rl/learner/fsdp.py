@@ -1,6 +1,7 @@
 """The sharded learner (learner.sharding=fsdp): FSDP2 (`torch.distributed.fsdp.fully_shard`) over the ranks of
-a LearnerGroup, on gloo (CPU) and nccl (CUDA) alike.
+a LearnerGroup, on gloo (CPU) and nccl (CUDA) alike; with expert parallelism (learner.sharding=ep, fsdp+ep).
 
+    model = shard_learner_module(module, device, sharding, param_dtype, reduce_dtype)  # the learner calls it
     blocks = shard_train_module(module, device, param_dtype="auto", reduce_dtype="float32")
     full = full_state_dict(policy)            # collective: rank 0 gets the whole state dict, the others {}
     load_full_state_dict(policy, full)        # collective: every rank passes the whole state dict
@@ -22,6 +23,17 @@ accumulated sharded). Parameters that took no part in a backward on some rank (a
 reduce-scattered as zeros on every rank, so the collectives match. Sequence chunking and context parallelism
 run a data-dependent number of unit forwards per micro-batch and are refused with learner.sharding=fsdp.
 
+Expert parallelism (model/expert_parallel.py): with learner.sharding=ep or fsdp+ep the routed experts of every
+LatentMoE are split over all N ranks (rank r holds experts [r*E/N, (r+1)*E/N) as DTensor shards on the same
+1-D mesh FSDP uses), and each MoE layer sends its tokens' latent rows to the experts' ranks by all_to_all on a
+process group of its own (so the exchanges never queue behind DDP's or FSDP's gradient collectives). The dense
+part stays replicated under DDP (ep; the expert weights are excluded from DDP's all-reduce) or FSDP2-sharded
+(fsdp+ep; the expert weights are `ignored_params` of fully_shard: already sharded on the expert dim, their
+gradients already complete on the owning rank). The experts' gradients are divided by N inside the dispatch,
+matching the averaging DDP and FSDP apply to the rest. Every MoE forward is a collective, so ep and fsdp+ep
+share fsdp's rules: equal micro-batch counts on every rank (zero-weighted padding passes), collective state
+gathering (DTensors: `full_state_dict` gathers the experts too), no sequence chunking or context parallelism.
+
 Mixed precision (`MixedPrecisionPolicy`): param_dtype is the dtype units compute in after the all-gather
 ("auto": bfloat16 on CUDA, float32 on CPU), reduce_dtype the dtype of the gradient reduce-scatter; the sharded
 master weights and AdamW state stay fp32. All fp32 (the CPU default) applies no policy at all.
@@ -41,7 +53,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+
+from model.expert_parallel import expert_parameters, shard_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -85,12 +100,56 @@ def _units(layer: nn.Module) -> list[nn.Module]:
     return [layer]
 
 
+SHARDINGS = ("none", "fsdp", "ep", "fsdp+ep")
+
+
+def shard_learner_module(module: nn.Module, device: torch.device, sharding: str, param_dtype: str = "auto",
+                         reduce_dtype: str = "float32") -> nn.Module:
+    """Shard the TrainModule `module` in place over every rank of the default process group as
+    learner.sharding says, and return what the learner calls forward on: the module itself (fsdp, fsdp+ep) or
+    its DistributedDataParallel wrapper (none, ep). Collective; every rank passes identical weights."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"learner.sharding={sharding!r} is not one of {', '.join(SHARDINGS)}")
+    ignored: set[nn.Parameter] = set()
+    mesh = None
+    if sharding in ("ep", "fsdp+ep"):
+        world = torch.distributed.get_world_size()
+        mesh = init_device_mesh(device.type, (world,))  # FSDP's mesh too: one mesh for every DTensor
+        shard_experts(module, group=torch.distributed.new_group(list(range(world))), mesh=mesh)
+        ignored = set(expert_parameters(module))
+    if sharding in ("fsdp", "fsdp+ep"):
+        shard_train_module(module, device, param_dtype, reduce_dtype, ignored_params=ignored, mesh=mesh)
+        return module
+    return data_parallel(module, ignored)
+
+
+def data_parallel(module: nn.Module, ignored: set[nn.Parameter] = frozenset()) -> DistributedDataParallel:
+    """DistributedDataParallel over the default process group, leaving `ignored` (expert-parallel experts,
+    whose gradients are complete on their own rank) out of the gradient all-reduce."""
+    import warnings
+
+    ids = {id(p) for p in ignored}
+    names = [n for n, p in module.named_parameters() if id(p) in ids]
+    if names:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+    with warnings.catch_warnings():  # torch deprecates broadcast_buffers; its replacement is not
+        # equivalent yet (it syncs at init), so keep it and keep every run's log free of the warning
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        # the patch embedding takes part only in micro-batches with images: on a text-only batch (or rank) it
+        # gets no gradient, which the reducer must expect
+        policy = getattr(module, "policy", module)
+        vision = getattr(getattr(policy, "model", None), "vision", None) is not None
+        return DistributedDataParallel(module, broadcast_buffers=False, find_unused_parameters=vision)
+
+
 def shard_train_module(module: nn.Module, device: torch.device, param_dtype: str = "auto",
-                       reduce_dtype: str = "float32") -> list[nn.Module]:
+                       reduce_dtype: str = "float32", ignored_params: set[nn.Parameter] | None = None,
+                       mesh=None) -> list[nn.Module]:
     """Shard `module` (the TrainModule: policy + value model) in place with FSDP2 over the default process
     group: each decoder layer a unit, the module itself the root (module docstring). Returns the layer units.
     Must be called on every rank with identical weights (every rank builds the policy from the same seed or
-    checkpoint); each keeps its dim-0 shard."""
+    checkpoint); each keeps its dim-0 shard. ignored_params: left alone by every unit (expert-parallel
+    experts, already sharded); mesh: FSDP's 1-D device mesh (None: FSDP's default over all ranks)."""
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         raise ValueError("the module is already sharded with FSDP; build a fresh one")
     # fp32 everywhere: no policy at all (FSDP2 then leaves the forward inputs alone)
@@ -103,9 +162,10 @@ def shard_train_module(module: nn.Module, device: torch.device, param_dtype: str
                          f"{type(module).__name__} to shard; learner.sharding=fsdp needs one, or use "
                          "learner.sharding=none")
     mp = MixedPrecisionPolicy(param_dtype=pd, reduce_dtype=rd)
+    kw = {"mp_policy": mp, "mesh": mesh, "ignored_params": set(ignored_params or ()) or None}
     for b in blocks:
-        fully_shard(b, mp_policy=mp)
-    fully_shard(module, mp_policy=mp)
+        fully_shard(b, **kw)
+    fully_shard(module, **kw)
     for m in [*blocks, module]:  # collectives must match on every rank, whatever each one's batch used
         m.set_reduce_scatter_unused_params(True)
     return blocks
@@ -130,8 +190,26 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
 
 def load_full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer,
                                    state: dict[str, Any]) -> None:
-    """Load what `full_optimizer_state_dict` returned (every rank passes it); each rank keeps its shard."""
-    set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    """Load what `full_optimizer_state_dict` returned (every rank passes it); each rank keeps its shard.
+
+    A parameter that never got a gradient has no AdamW state (under ep, DDP leaves an unused vision patch
+    embedding without one, as torch.optim does unsharded). torch's loader would refuse such a checkpoint when
+    strict, and when not strict it gives every parameter a fresh state; so the load is not strict, the fresh
+    states of the parameters the checkpoint has none for are dropped again (the optimizer then is as it was
+    saved), and every saved entry must have landed, else a ValueError names the mismatch."""
+    set_optimizer_state_dict(module, optimizer, state,
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+    saved = {name for name, st in state.get("state", {}).items() if st}
+    names = {id(p): name for name, p in module.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if names.get(id(p)) not in saved:
+                optimizer.state.pop(p, None)
+    landed = {names.get(id(p)) for p, st in optimizer.state.items() if st}
+    if landed != saved:
+        raise ValueError(f"the checkpoint's optimizer state does not match this learner's parameters "
+                         f"(not loaded: {sorted(saved - landed)[:5]}): it was written for another model or "
+                         "layout; resume with the config it was written with")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -152,6 +230,8 @@ def local_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
 
 
 __all__ = [
+    "SHARDINGS",
+    "data_parallel",
     "decoder_blocks",
     "full_optimizer_state_dict",
     "full_state_dict",
@@ -159,5 +239,6 @@ __all__ = [
     "load_full_state_dict",
     "local_bytes",
     "resolve_dtype",
+    "shard_learner_module",
     "shard_train_module",
 ]

@@ -20,19 +20,25 @@ Context parallelism (learner.context_parallel = R > 1): ranks r // R form a grou
 micro-batches into R contiguous shards (model/context_parallel.py); the groups are the data-parallel units,
 so the plan has num_ranks / R shares and every rank of a group gets its group's.
 
-Sharding (learner.sharding=fsdp): the ranks shard the model with FSDP2 instead of DDP (rl/learner/fsdp.py);
-the plan is the same, and `state_dict` / `save` call every rank (the gather is collective) and return rank
-0's.
+Placement: the ranks start in one Ray placement group (rl/train/placement.py `learner_placement_group`:
+a bundle of the rank's resources each, PACK), checked and reserved before any rank starts, removed by
+`shutdown`.
+
+Sharding (learner.sharding=fsdp, ep, fsdp+ep): the ranks shard the model with FSDP2 instead of DDP, split the
+MoE experts over the ranks, or both (rl/learner/fsdp.py, model/expert_parallel.py); the plan is the same, and
+`state_dict` / `save` call every rank (the gather is collective) and return rank 0's. `weights_ref` (the
+engines' weight sync) streams the weights instead under every sharded layout, one bucket gathered at a time.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from rl.learner.batch import ModelFacts, Sample, prepare_batch
+from rl.learner.shard_export import DEFAULT_BUCKET_BYTES
 from rl.learner.sharding import RankPlan, plan_step
 from rl.trajectory import Trajectory
 
@@ -78,6 +84,13 @@ class LearnerRank:
     def state_dict(self) -> dict[str, Any]:
         return self.learner.state_dict()
 
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, Any]]:
+        """The policy's weights for the engines bucket by bucket as each is gathered, then a summary (a Ray
+        streaming generator; rl/learner/shard_export.py `yield_weight_buckets`). Collective under FSDP."""
+        from rl.learner.shard_export import yield_weight_buckets
+
+        yield from yield_weight_buckets(self.learner.weight_buckets(bucket_bytes))
+
     def save(self, path: str) -> str:
         return str(self.learner.save(path))
 
@@ -108,8 +121,27 @@ class LearnerGroup:
 
         self.cfg = cfg
         self.world_size = cfg.learner.num_ranks
-        actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(LearnerRank)
-        self.ranks = [actor.remote(cfg, r, self.world_size, torch_threads) for r in range(self.world_size)]
+        self._start(ray.remote(LearnerRank), {"CPU": num_cpus, "GPU": num_gpus}, torch_threads)
+
+    def _start(self, actor: Any, resources: dict[str, float], torch_threads: int | None,
+               **options: Any) -> None:
+        """Start world_size `actor` ranks (a ray.remote class) with `resources` each, in one placement group
+        (rl/train/placement.py: bundles of `resources`, PACK, checked and reserved before any rank starts),
+        rank r in bundle r; join them in a process group and build their Learners."""
+        import ray
+
+        from rl.train.placement import (
+            actor_options,
+            check_learner_placement,
+            in_placement_group,
+            learner_placement_group,
+        )
+
+        check_learner_placement(self.cfg, whole_run=False)
+        self.placement_group = learner_placement_group(resources, self.world_size)
+        opts = {**actor_options(resources), **options}
+        self.ranks = [actor.options(**opts, **in_placement_group(self.placement_group, r))
+                      .remote(self.cfg, r, self.world_size, torch_threads) for r in range(self.world_size)]
         address, port = ray.get(self.ranks[0].rendezvous.remote())
         facts = ray.get([r.setup.remote(address, port) for r in self.ranks])
         self.facts: ModelFacts = facts[0]
@@ -117,13 +149,28 @@ class LearnerGroup:
 
     @property
     def gathering(self) -> list:
-        """The ranks a weight gather calls: all of them under FSDP (the gather is collective; rank 0 answers),
-        else rank 0 alone (every rank holds the same weights)."""
-        return self.ranks if self.cfg.learner.sharding == "fsdp" else self.ranks[:1]
+        """The ranks a weight gather calls: all of them when sharded (the gather is collective; rank 0
+        answers), else rank 0 alone (every rank holds the same weights)."""
+        return self.ranks if self.cfg.learner.sharding != "none" else self.ranks[:1]
 
     def state_dict_ref(self) -> Any:
         """ObjectRef of rank 0's `state_dict()` (the other ranks, under FSDP, take part in the gather)."""
         return [r.state_dict.remote() for r in self.gathering][0]
+
+    def weights_ref(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Any:
+        """ObjectRef of the weights for the rollout engines (rl/train/weight_sync.py): under any sharded
+        layout (fsdp, ep, fsdp+ep: the expert weights are DTensors even where DDP holds the rest), of a
+        WeightBuckets manifest (every rank gathers one bucket at a time and rank 0 streams each to the object
+        store; rl/learner/shard_export.py), which blocks until the gather is done; otherwise of rank 0's
+        `state_dict()`, as `state_dict_ref`."""
+        import ray
+
+        from rl.learner.shard_export import collect_weight_buckets
+
+        if self.cfg.learner.sharding == "none":
+            return self.state_dict_ref()
+        streams = [r.weight_buckets.options(num_returns="streaming").remote(bucket_bytes) for r in self.ranks]
+        return ray.put(collect_weight_buckets(streams, bucket_bytes))
 
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One data-parallel policy step (module docstring); the metrics of Learner.step."""
@@ -177,6 +224,11 @@ class LearnerGroup:
             for r in self.ranks:
                 ray.kill(r)
             self.ranks = []
+            pg, self.placement_group = getattr(self, "placement_group", None), None
+            if pg is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(pg)
 
 
 __all__ = ["LearnerGroup", "LearnerRank"]

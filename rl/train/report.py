@@ -10,7 +10,8 @@ which samples each step trained) and the trajectory store (their lengths and tur
 
 Plots (each a PNG; stage boundaries, the metrics' `stage` changes, are dashed vertical lines):
     rewards.png       reward/total (and its components) and success of the trained batches, held-out eval
-                      success (and pass@k)
+                      success (and pass@k) against steps, and held-out success against wall-clock minutes
+                      (the end of the evaluated step, metrics' wall_s; step 0 at 0)
     lengths.png       histograms of generated tokens and assistant turns per trained episode, first vs
                       last third of the steps
     expert_load.png   heatmap layer x step of the max/mean expert load (moe/layer<l>/max_mean_load) and
@@ -100,10 +101,21 @@ def episode_shapes(run_dir: Path) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
+def eval_wall_s(records: list[dict], evals: list[dict]) -> list[tuple[float, float]]:
+    """(wall seconds, held-out success) per evaluation: the evaluated step's `wall_s` (seconds since the run
+    started, at the end of that step; the evaluation before step 1 is at 0)."""
+    wall = {r["step"]: r["wall_s"] for r in records if isinstance(r.get("wall_s"), (int, float))}
+    return [
+        (0.0 if e["step"] == 0 else wall[e["step"]], e["success"])
+        for e in evals
+        if isinstance(e.get("success"), (int, float)) and (e.get("step") == 0 or e.get("step") in wall)
+    ]
+
+
 def plot_rewards(path: Path, records: list[dict], evals: list[dict], bounds: list) -> None:
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 3.8))
     a.plot(*_series(records, "reward/total"), marker="o", label="train reward/total")
     parts = sorted({k for r in records for k in r if k.count("/") == 1 and k.startswith("reward/")} - {
         "reward/total"
@@ -120,8 +132,13 @@ def plot_rewards(path: Path, records: list[dict], evals: list[dict], bounds: lis
         pk = [(e["step"], e[k]) for e in evals if isinstance(e.get(k), (int, float))]
         b.plot([p[0] for p in pk], [p[1] for p in pk], marker="^", label=f"held-out {k}")
     b.set_xlabel("step"), b.set_ylabel("success"), b.set_ylim(-0.02, 1.02), b.set_title("success")
+    wall = eval_wall_s(records, evals)
+    c.plot([w / 60 for w, _ in wall], [v for _, v in wall], marker="s", label="held-out success")
+    c.set_xlabel("wall-clock minutes"), c.set_ylabel("success"), c.set_ylim(-0.02, 1.02)
+    c.set_title("held-out success vs time")
     for ax in (a, b):
         _mark_stages(ax, bounds)
+    for ax in (a, b, c):
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -300,9 +317,11 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
                 "moe/max_mean_load_max", "time/step_s"):
         lines.append(f"| `{key}` | {_fmt(first.get(key))} | {_fmt(last.get(key))} |")
     if evals:
-        lines += ["", "Held-out evaluations (`eval.jsonl`):", "", "| step | success | greedy |",
-                  "|---|---|---|"]
-        lines += [f"| {e.get('step')} | {_fmt(e.get('success'))} | {_fmt(e.get('greedy'))} |" for e in evals]
+        wall = {r["step"]: r.get("wall_s") for r in records}
+        lines += ["", "Held-out evaluations (`eval.jsonl`):", "", "| step | wall s | success | greedy |",
+                  "|---|---|---|---|"]
+        lines += [f"| {e.get('step')} | {_fmt(0.0 if e.get('step') == 0 else wall.get(e.get('step')))} | "
+                  f"{_fmt(e.get('success'))} | {_fmt(e.get('greedy'))} |" for e in evals]
     if bounds or any(r.get("stage") for r in records):
         lines += ["", "Stages: " + ", ".join(
             [f"stage {first.get('stage', 0)} from step {first['step']}"]

@@ -11,6 +11,14 @@ put). A worker must answer with the new version within `timeout_s`; one that doe
 with another version, or is dead, is returned as failed and the loop replaces it (the replacement
 loads the same ref before it takes any work: `ready_ref`). Workers apply the weights between decode
 steps; engines rebuild any cache computed with older weights (rl/rollout/engine.py).
+
+A sharded learner (learner.sharding=fsdp) publishes the same way, but its ref resolves to a `WeightBuckets`
+manifest (rl/learner/shard_export.py): the names, and one ref per bucket of at most 256 MiB, each gathered
+from the shards alone and streamed to the object store as it completes. A worker fetches and loads the
+buckets one at a time (`update_weights_stream`: TorchEngine per bucket with load_state_dict(strict=False),
+VllmEngine through its reload's weights iterator), so neither the learner ranks nor the workers ever hold
+more than one bucket of the new weights beside their own model. Nothing here changes: the ref, the
+versions, the timeout and the failure handling are the same.
 """
 
 from __future__ import annotations

@@ -1,0 +1,132 @@
+"""Activation memory of the learner's forward, from the config's shapes (any preset, k3 included).
+
+    per_token = layer_bytes_per_token(config, l)       # {"mixer", "ffn", "rest"} bytes per token, layer l
+    w = window_bytes(config, trajectory=1 << 20, chunk=4096)   # the sequence-chunked learner's peak
+
+The formula (bytes autograd saves per token, bf16 activations, the torch code path: model/kda_chunk.py,
+model/mla.py, model/moe.py, model/attn_res.py), with D = hidden, H/K the KDA heads/head dim, Hm/hd the MLA
+heads/head dim, q/R the MLA q / kv LoRA ranks, n/k the routed experts / top-k, L/I the expert latent /
+intermediate, n_s/I_s the shared experts / their width, I_d the dense FFN width, S the AttnRes sources the
+layer's two reads see (attn read: 1 + sealed blocks + [open block non-empty]; ffn read: 2 + sealed blocks):
+
+    kda   = -476 + 8.25 D + 134.3 H K + 944.8 H + 10.45 H K^2 / 64
+    mla   = 7.0 + 1.98 D + 10.05 q + 10.03 R + 12.0 Hm hd + 3.75 Hm
+    dense = 2 D + 14 I_d
+    moe   = -76.7 + 6.80 D + 7.42 n + 49.0 k + 8.03 k L + 14.0 k I + 10.0 L + 13.98 n_s I_s
+    rest  = 16 + 24.25 D + S (4 D + 12)
+
+The coefficients are a least-squares fit of `rl.plan.saved.measure_saved_bytes` (the real forward, every
+saved tensor counted once by storage, bf16, balanced routing) over 40 random small configs (T = 128; the
+dense and rest terms fit exactly, mla within 0.1 %, kda and moe within 2.2 %); tests/test_plan.py checks the
+formula against fresh measurements of the tiny and small presets and of configs the fit never saw. The k x
+terms of the MoE are the expert buffers [n, T k / n, ...] at perfect balance; `capacity` scales them for an
+imbalanced step (the most-loaded expert's tokens over the mean). CUDA runs KDA through fla-core's Triton
+kernels (model/kda_fla.py), which save less than the torch path measured here: on a GPU this is an upper
+bound for the KDA term until it is measured there.
+
+`window_bytes` is the learner's peak for one trajectory of `trajectory` tokens run in windows of `chunk`
+tokens with every layer checkpointed (model/sequence_chunks.py, learner.sequence_chunk_tokens and
+learner.activation_checkpointing): one layer's saved activations of a window (recomputed in the backward),
+the window's layer inputs (the AttnRes stream: every sublayer output [chunk, D]), what crosses windows (the
+MLA latents of the whole trajectory and their gradients, one KDA state set per window boundary), the K and V
+of one MLA layer decompressed over the whole prefix, and the LM head's logits block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from model.cache import cache_bytes
+from model.config import OdysseyConfig
+
+ACT_BYTES = 2  # bf16 activations (the coefficients above are measured in bf16)
+HEAD_LIVE_BLOCKS = 3  # LM head: the fp32 logits block, its softmax and its gradient (rl/learner/forward.py)
+
+
+def attn_res_sources(config: OdysseyConfig, layer: int) -> int:
+    """Sources of layer `layer`'s two AttnRes reads together (model/attn_res.py): attn read 1 + m (+1 when
+    the open block already has outputs), ffn read 2 + m, m = sealed blocks = layer // block size."""
+    B = config.attn_res_block_size
+    m = layer // B
+    return (1 + m + (1 if layer % B else 0)) + (2 + m)
+
+
+def layer_bytes_per_token(config: OdysseyConfig, layer: int, capacity: float = 1.0) -> dict[str, float]:
+    """Saved-activation bytes per token of decoder layer `layer` (module docstring): mixer, ffn, rest."""
+    c = config
+    D = c.hidden_size
+    if c.layer_types[layer] == "kda":
+        H, K = c.kda_num_heads, c.kda_head_dim
+        mixer = -476.3 + 8.249 * D + 134.30 * H * K + 944.8 * H + 10.450 * H * K * K / 64
+    else:
+        Hm, hd = c.mla_num_heads, c.mla_head_dim
+        mixer = (7.007 + 1.977 * D + 10.047 * c.mla_q_lora_rank + 10.029 * c.mla_kv_lora_rank
+                 + 12.003 * Hm * hd + 3.751 * Hm)
+    if layer in c.moe_layer_indices:
+        k, L = c.num_experts_per_tok, c.moe_latent_dim
+        shared = c.n_shared_experts * c.shared_expert_intermediate_size
+        experts = 49.01 * k + 8.033 * k * L + 14.001 * k * c.moe_intermediate_size
+        ffn = (-76.75 + 6.801 * D + 7.421 * c.n_routed_experts + capacity * experts + 10.020 * L
+               + 13.975 * shared)
+    else:
+        ffn = 2.0 * D + 14.0 * c.intermediate_size
+    rest = 16.0 + 24.25 * D + attn_res_sources(c, layer) * (4 * D + 12)
+    return {"mixer": mixer, "ffn": ffn, "rest": rest}
+
+
+def padded_tokens(config: OdysseyConfig, tokens: int) -> int:
+    """Tokens as KDA runs them: rounded up to its chunk (kda_chunk_size)."""
+    C = config.kda_chunk_size
+    return math.ceil(tokens / C) * C
+
+
+def forward_bytes(config: OdysseyConfig, tokens: int, capacity: float = 1.0) -> int:
+    """Saved activations of one forward of `tokens` tokens through every layer, no checkpointing (what
+    `measure_saved_bytes(...).total` measures, less the embedding and final read)."""
+    T = padded_tokens(config, tokens)
+    return round(sum(sum(layer_bytes_per_token(config, l, capacity).values()) * T
+                     for l in range(config.num_hidden_layers)))
+
+
+@dataclass
+class WindowBytes:
+    """The sequence-chunked learner's peak activation bytes for one trajectory (module docstring)."""
+
+    layer: int  # the largest layer's saved activations for one window, recomputed in the backward
+    stream: int  # the window's checkpointed layer inputs: (2 layers + 1) sublayer outputs [chunk, D]
+    carried: int  # MLA latents of the whole trajectory (+ gradients) and KDA states per window boundary
+    mla_prefix: int  # K and V of one MLA layer decompressed over the trajectory [L, Hm, hd] x 2
+    head: int  # the LM head's live logits blocks (fp32)
+
+    @property
+    def total(self) -> int:
+        return self.layer + self.stream + self.carried + self.mla_prefix + self.head
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def window_bytes(config: OdysseyConfig, trajectory: int, chunk: int, capacity: float = 1.0) -> WindowBytes:
+    """Peak activation bytes of the learner for one `trajectory`-token sequence in windows of `chunk`."""
+    from rl.learner.forward import HEAD_CHUNK_ELEMENTS
+
+    if trajectory < 1 or chunk < 1:
+        raise ValueError(f"trajectory and chunk must be >= 1 tokens, got {trajectory}, {chunk}")
+    c = config
+    chunk = min(chunk, trajectory)
+    T = padded_tokens(c, chunk)
+    layer = max(sum(layer_bytes_per_token(c, l, capacity).values()) for l in range(c.num_hidden_layers)) * T
+    stream = (2 * c.num_hidden_layers + 1) * T * c.hidden_size * ACT_BYTES
+    n_mla = len(c.mla_layer_indices)
+    latents = 2 * n_mla * trajectory * c.mla_kv_lora_rank * ACT_BYTES
+    windows = math.ceil(trajectory / chunk)
+    kda_state = cache_bytes(c, 0, latent_bytes=ACT_BYTES, conv_bytes=ACT_BYTES)["kda"]
+    carried = latents + (windows - 1) * kda_state
+    mla_prefix = 2 * trajectory * c.mla_num_heads * c.mla_head_dim * ACT_BYTES if n_mla else 0
+    head = HEAD_LIVE_BLOCKS * HEAD_CHUNK_ELEMENTS * 4
+    return WindowBytes(round(layer), stream, carried, mla_prefix, head)
+
+
+__all__ = ["ACT_BYTES", "WindowBytes", "attn_res_sources", "forward_bytes", "layer_bytes_per_token",
+           "padded_tokens", "window_bytes"]

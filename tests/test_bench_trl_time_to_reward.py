@@ -1,0 +1,74 @@
+"""bench/trl_time_to_reward.py's counting helpers against slow, obviously correct references (exact integers;
+floats to 1e-12), and the config mapping's refusals."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench import trl_time_to_reward as ttr
+
+
+def _tokens_reference(rewards: list[float], tokens: list[int], g: int) -> tuple[int, int]:
+    """All tokens, and tokens of groups with at least two distinct rewards (a set per group)."""
+    all_, trained = 0, 0
+    for start in range(0, len(rewards), g):
+        group = range(start, start + g)
+        n = 0
+        for i in group:
+            n += tokens[i]
+        all_ += n
+        if len({rewards[i] for i in group}) > 1:
+            trained += n
+    return all_, trained
+
+
+def test_group_tokens_matches_reference_on_random_batches():
+    rng = random.Random(0)
+    for _ in range(200):
+        g = rng.choice([1, 2, 4, 8])
+        n = g * rng.randint(1, 6)
+        rewards = [float(rng.random() < 0.2) for _ in range(n)]
+        tokens = [rng.randint(40, 180) for _ in range(n)]
+        out = ttr.group_tokens(rewards, tokens, g)
+        assert (out["all"], out["trained"]) == _tokens_reference(rewards, tokens, g)
+        assert out["groups"] == n // g
+        assert out["tied_groups"] == sum(len(set(rewards[s : s + g])) == 1 for s in range(0, n, g))
+
+
+def test_group_tokens_rejects_partial_groups():
+    with pytest.raises(ValueError, match="not whole groups of 8"):
+        ttr.group_tokens([0.0] * 12, [1] * 12, 8)
+
+
+def test_rates_against_hand_computed_values():
+    steps = [
+        {"step": 1, "train_wall_s": 10.0, "tokens_all": 100, "tokens_trained": 50},
+        {"step": 3, "train_wall_s": 40.0, "tokens_all": 300, "tokens_trained": 0},
+        {"step": 2, "train_wall_s": 25.0, "tokens_all": 200, "tokens_trained": 100},
+    ]
+    r = ttr.rates(steps)
+    assert r["tokens_all"] == 600 and r["tokens_trained"] == 150
+    assert r["tokens_all_per_s"] == pytest.approx(600 / 40, abs=1e-12)
+    assert r["tokens_all_per_s_steps_2_to_n"] == pytest.approx(500 / 30, abs=1e-12)
+    assert r["tokens_trained_per_s_steps_2_to_n"] == pytest.approx(100 / 30, abs=1e-12)
+    assert ttr.rates(steps[:1])["tokens_all_per_s_steps_2_to_n"] is None
+
+
+def test_first_reaching_and_eval_excluded_walls():
+    curve = [{"step": 0, "success": 0.1}, {"step": 2, "success": None}, {"step": 4, "success": 0.3},
+             {"step": 6, "success": 0.5}]  # fmt: skip
+    assert ttr.first_reaching(curve, 0.3)["step"] == 4
+    assert ttr.first_reaching(curve, 0.6) is None
+    metrics = [{"step": 1, "wall_s": 120.0}, {"step": 2, "wall_s": 250.0}, {"step": 3, "wall_s": 300.0}]
+    evals = [{"step": 0, "wall_s": 100.0}, {"step": 2, "wall_s": 30.0}]
+    assert ttr.eval_excluded_walls(metrics, evals) == {1: 20.0, 2: 120.0, 3: 170.0}
+
+
+def test_unmappable_learner_settings_are_named():
+    cfg = ttr.cell_config(4, 2, 4, 0, ["learner.ppo_epochs=2", "learner.loss_agg=seq_mean_token_sum"])
+    with pytest.raises(ValueError) as e:
+        ttr.check_mappable(cfg)
+    assert "learner.ppo_epochs is 2" in str(e.value) and "seq_mean_token_sum" in str(e.value)
+    ttr.check_mappable(ttr.cell_config(4, 2, 4, 0, []))  # the cell as shipped maps
