@@ -20,6 +20,7 @@ NGPU=$("$VENV/bin/python" -c "import torch; print(torch.cuda.device_count() if t
 echo "gpu_sharding: ODYSSEY_TEST_BACKEND=nccl, $NGPU CUDA device(s) visible"
 if [ "$NGPU" -lt 1 ]; then
   echo "gpu_sharding: no CUDA device; nothing to run (the gloo tests run in make test)" >&2
+  echo '{"backend": "nccl", "gpus": 0, "ran": false, "reason": "no CUDA device"}' > "$DEST/gpu_sharding.json"
   exit 2
 fi
 XML="$DEST/gpu_sharding.junit.xml"
@@ -41,7 +42,7 @@ for tc in ET.parse(xml).getroot().iter("testcase"):
     cases.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "status": status,
                   "seconds": round(float(tc.get("time", 0)), 2), "reason": reason[:300]})
 counts = {s: sum(c["status"] == s for c in cases) for s in ("passed", "failed", "error", "skipped")}
-summary = {"backend": "nccl", "gpus": ngpu, "device": torch.cuda.get_device_name(0) if ngpu else None,
+summary = {"backend": "nccl", "gpus": ngpu, "ran": True, "device": torch.cuda.get_device_name(0) if ngpu else None,
            "torch": torch.__version__, "pytest_rc": rc, "counts": counts, "cases": cases}
 json.dump(summary, open(out, "w"), indent=1)
 print(f"gpu_sharding: {counts} -> {out}")

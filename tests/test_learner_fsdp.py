@@ -214,3 +214,40 @@ def test_fsdp_bf16_parameters_move_the_step(ray_session, tmp_path):
     assert 1e-3 < rel < 0.2
     assert m16["loss"] == pytest.approx(m32["loss"], rel=0.05) and m16["loss"] != m32["loss"]
     assert out["bf16_reduce"][1]["grad_norm"] != m16["grad_norm"]
+
+
+def test_optimizer_state_load_keeps_stateless_parameters_stateless_and_refuses_a_mismatch(tmp_path):
+    """`load_full_optimizer_state_dict` (a one-rank gloo group in this process, torch's full-state-dict path):
+    a parameter that never got a gradient (no AdamW state, as DDP leaves an unused vision patch embedding
+    under ep) stays without state after the load, the others get the saved moments exactly; a checkpoint whose
+    names match no parameter is refused naming the problem."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from rl.learner.fsdp import full_optimizer_state_dict, load_full_optimizer_state_dict
+
+    def build():
+        return nn.ModuleDict({"a": nn.Linear(3, 2), "unused": nn.Linear(2, 2)})
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        m = build()
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        m["a"](torch.randn(4, 3)).sum().backward()
+        opt.step()
+        saved = full_optimizer_state_dict(m, opt)
+        assert sorted(saved["state"]) == ["a.bias", "a.weight"]
+        m2 = build()
+        opt2 = torch.optim.AdamW(m2.parameters(), lr=0.1)
+        load_full_optimizer_state_dict(m2, opt2, saved)
+        assert set(opt2.state) == {m2["a"].weight, m2["a"].bias}  # "unused" stays stateless
+        for name in ("weight", "bias"):
+            want, got = opt.state[getattr(m["a"], name)], opt2.state[getattr(m2["a"], name)]
+            assert all(torch.equal(got[k], want[k]) for k in want)
+        renamed = {**saved, "state": {f"x.{k}": v for k, v in saved["state"].items()}}
+        m3 = build()
+        with pytest.raises(ValueError, match=r"does not match this learner's parameters \(not loaded: "):
+            load_full_optimizer_state_dict(m3, torch.optim.AdamW(m3.parameters()), renamed)
+    finally:
+        dist.destroy_process_group()

