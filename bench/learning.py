@@ -191,7 +191,10 @@ def run(
         Trainer(cfg, console=Console(file=io.StringIO())).run()
         wall = round(time.perf_counter() - t0, 1)
     evals = [json.loads(ln) for ln in (run_dir / "eval.jsonl").read_text().splitlines()]
-    evals = [e for e in evals if e["step"] <= steps]  # an adopted longer run: its first `steps` steps
+    later = [
+        e for e in evals if e["step"] > steps
+    ]  # an adopted longer run: kept apart, not in the cell's means
+    evals = [e for e in evals if e["step"] <= steps]
     metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_wall = {m["step"]: m["wall_s"] for m in metrics if "wall_s" in m and "step" in m}  # since the start
     first, last = evals[0], evals[-1]
@@ -218,6 +221,21 @@ def run(
         ],  # fmt: skip
         "wall_s": wall if wall is not None else step_wall.get(steps),
         **({"adopted_from": str(adopt)} if adopt is not None else {}),
+        **(
+            {
+                "curve_after_steps": [
+                    {
+                        "step": e["step"],
+                        "success": e["success"],
+                        "greedy": e["greedy"],
+                        "wall_s": step_wall.get(e["step"], 0.0),
+                    }
+                    for e in later
+                ]
+            }
+            if later
+            else {}
+        ),
     }
     print(
         f"  {family} {variant} seed {seed}: SFT-only {first['success']:.3f} -> RL {last['success']:.3f} "

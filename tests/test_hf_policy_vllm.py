@@ -3,7 +3,9 @@
 Oracles (fp32): greedy tokens == TorchEngine's on the same HFPolicy; sampled log-probs (T = 1) == the
 learner's token_logprobs (<= 1e-4); after `update_weights` with the learner's state_dict (HF checkpoint
 names), both hold again against the new weights, and the log-probs differ from the old weights' (the
-update really landed). A Qwen3-MoE checkpoint (vLLM's Qwen3MoeForCausalLM) matches the trainer as well.
+update really landed). A Qwen3-MoE checkpoint (vLLM's Qwen3MoeForCausalLM) matches the trainer as well,
+also after `update_weights` / a 2-bucket `update_weights_stream` of the learner's state_dict, whose fused
+expert tensors (experts.gate_up_proj / down_proj) the engine reverts to the checkpoint's per-expert names.
 """
 
 from __future__ import annotations
@@ -92,6 +94,72 @@ def test_vllm_qwen3_moe_logprobs_match_the_trainer(tmp_path, start):
     greedy = [GenerationRequest(p, SamplingParams(temperature=0, max_new_tokens=10)) for p in prompts]
     want = TorchEngine(HFPolicy.from_pretrained(path)).generate(greedy)
     assert [r.token_ids for r in engine.generate(greedy)] == [r.token_ids for r in want]
+
+
+def _perturbed_moe_learner(path: str) -> tuple[HFPolicy, dict[str, torch.Tensor]]:
+    """The learner (HFPolicy, transformers-loaded: fused expert names), every weight moved by 0.05 N(0, 1),
+    and its state_dict (the keys `update_weights` receives from an HF learner)."""
+    policy = HFPolicy.from_pretrained(path).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    sd = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in sd), "the learner's experts are not fused"
+    return policy, sd
+
+
+def test_vllm_qwen3_moe_update_weights_with_fused_expert_names_matches_the_trainer(tmp_path, start):
+    path = make_qwen3_moe(tmp_path / "moe")
+    policy, sd = _perturbed_moe_learner(path)
+    engine = start(path)
+    prompts = _prompts(3, seed=7)
+    sampled = [GenerationRequest(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+    engine.update_weights(sd, version=1)
+    res = engine.generate(sampled)
+    assert all(r.weight_version == 1 for r in res)
+    err = _max_logprob_error(policy, prompts, res)
+    print(f"qwen3_moe update_weights: max |vLLM - learner| log-prob = {err:.2e}")
+    assert err <= PARITY_TOL
+    old_err = _max_logprob_error(HFPolicy.from_pretrained(path).eval(), prompts, res)
+    print(f"qwen3_moe update_weights: max |vLLM - old weights| log-prob = {old_err:.2e}")
+    assert old_err > 1e-2  # the update landed in vLLM
+
+
+def test_vllm_qwen3_moe_two_bucket_stream_equals_update_weights(tmp_path, start):
+    """A 2-bucket `update_weights_stream` of the learner's (fused-name) state_dict: sampled log-probs equal
+    the learner's, greedy tokens equal those after `update_weights` of the same state_dict."""
+    path = make_qwen3_moe(tmp_path / "moe")
+    policy, sd = _perturbed_moe_learner(path)
+    engine = start(path)
+    prompts = _prompts(3, seed=8)
+    sampled = [GenerationRequest(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+    greedy = [GenerationRequest(p, SamplingParams(temperature=0, max_new_tokens=10)) for p in prompts]
+    names = list(sd)
+    half = len(names) // 2  # buckets hold whole tensors (fused ones included), as rl/learner/shard_export.py
+    buckets = [{k: sd[k] for k in names[:half]}, {k: sd[k] for k in names[half:]}]
+    assert all(any(k.endswith("experts.down_proj") for k in b) for b in buckets)
+
+    engine.update_weights_stream(names, iter(buckets), version=1)
+    res = engine.generate(sampled)
+    assert all(r.weight_version == 1 for r in res)
+    err = _max_logprob_error(policy, prompts, res)
+    print(f"qwen3_moe 2-bucket stream: max |vLLM - learner| log-prob = {err:.2e}")
+    assert err <= PARITY_TOL
+    old_err = _max_logprob_error(HFPolicy.from_pretrained(path).eval(), prompts, res)
+    print(f"qwen3_moe 2-bucket stream: max |vLLM - old weights| log-prob = {old_err:.2e}")
+    assert old_err > 1e-2  # the streamed update landed
+    streamed = [r.token_ids for r in engine.generate(greedy)]
+
+    engine.update_weights(sd, version=2)
+    assert [r.token_ids for r in engine.generate(greedy)] == streamed
+    res = engine.generate(sampled)
+    err2 = _max_logprob_error(policy, prompts, res)
+    print(f"qwen3_moe update_weights after the stream: max |vLLM - learner| log-prob = {err2:.2e}")
+    assert err2 <= PARITY_TOL
+
+    with pytest.raises(ValueError, match="missing=.*lm_head.weight"):
+        engine.update_weights_stream([n for n in names if n != "lm_head.weight"], iter(buckets), version=3)
 
 
 @pytest.mark.ray

