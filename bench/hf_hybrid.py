@@ -9,9 +9,10 @@ checkpoint, same tokens, same run, same threads, fp32 CPU. N sequences of L toke
   - transformers: the unpatched model on a [N, L] batch (equal lengths, so no padding and no mask: its
     fastest correct call; a packed row would leak state), with its torch reference kernels (fla's Triton
     kernels do not run on CPU), log-softmax of the same targets, backward.
-- decode (qwen3_next; greedy, --decode-rows prompts of --prompt tokens, --new tokens each):
+- decode (both models; greedy, --decode-rows prompts of --prompt tokens, --new tokens each):
   - odyssey: TorchEngine on the HFPolicy (per-row conv + recurrent state, prefill by the chunkwise kernel,
-    decode steps of all rows in one forward by the token-step kernel, model/gated_delta.py);
+    decode steps of all rows in one forward: qwen3_next by the token-step kernel of model/gated_delta.py,
+    kimi_linear by the KDA C++ CPU kernels with MLA rows in the packed KV cache);
   - transformers: `generate` on the same prompts as one [rows, prompt] batch (its DynamicCache, conv-update
     and recurrent decode kernels, torch reference path), greedy.
   Decode tokens/s = rows * new / median seconds of the whole generation (prefill included); the two greedy
@@ -21,6 +22,7 @@ changes on a shared machine hit both). Also recorded: the largest difference of
 the two log-prob vectors (~1e-6: the same function) and the ratios odyssey / transformers.
 
     .venv/bin/python bench/hf_hybrid.py [--models kimi_linear,qwen3_next] [--seqs 4] [--len 512] [--reps 3]
+        [--parts learner,decode]   (a part left out keeps that model's recorded numbers for it)
 """
 
 from __future__ import annotations
@@ -173,7 +175,12 @@ def main() -> None:
     ap.add_argument("--decode-rows", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--parts", default="learner,decode",
+                    help="which parts to run; a part left out keeps the model's recorded entry for it")
     args = ap.parse_args()
+    parts = {p for p in args.parts.split(",") if p}
+    if not parts or parts - {"learner", "decode"}:
+        raise SystemExit(f"--parts: {args.parts!r}; choose from learner, decode (comma separated)")
     torch.set_num_threads(args.threads)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MAKERS]
@@ -190,21 +197,29 @@ def main() -> None:
             from transformers import AutoModelForCausalLM
 
             ref = AutoModelForCausalLM.from_pretrained(tmp)  # its default (sdpa) attention
-        entry = {"what": f"learner forward+backward (token log-probs, sum, backward), fp32 CPU, random "
-                         f"{model_type}", "model": shape, "threads": args.threads, "reps": args.reps,
-                 **learner(model_type, policy, ref, args.seqs, args.len, args.reps),
-                 "machine": machine}
-        if model_type == "qwen3_next":
-            entry["decode"] = decode(model_type, policy, ref, args.decode_rows, args.prompt, args.new,
-                                     args.reps)
+        entry = dict(results.get(model_type, {}))
+        if "learner" in parts:
+            entry.update({"what": f"learner forward+backward (token log-probs, sum, backward), fp32 CPU, "
+                                  f"random {model_type}", "model": shape, "threads": args.threads,
+                          "reps": args.reps,
+                          **learner(model_type, policy, ref, args.seqs, args.len, args.reps),
+                          "machine": machine})
+        elif entry.get("model") not in (None, shape):
+            raise SystemExit(f"{model_type}: the recorded learner entry is for another model shape; rerun "
+                             "with --parts learner,decode")
+        if "decode" in parts:
+            entry["decode"] = {**decode(model_type, policy, ref, args.decode_rows, args.prompt, args.new,
+                                        args.reps), "threads": args.threads, "reps": args.reps,
+                               "machine": machine}
         results[model_type] = entry
-        print(f"{model_type}: learner {args.seqs} x {args.len} tokens")
-        print(f"  {'path':<24}{'seconds':>10}{'tokens/s':>12}")
-        for name, r in entry["rows"].items():
-            print(f"  {name:<24}{r['seconds']:>10.3f}{r['tokens_per_s']:>12.0f}")
-        print(f"  odyssey / transformers: {entry['speedup_odyssey_over_transformers']:.2f}x  "
-              f"(max |log-prob diff| {entry['max_abs_logprob_diff']:.1e})")
-        if "decode" in entry:
+        if "learner" in parts:
+            print(f"{model_type}: learner {args.seqs} x {args.len} tokens")
+            print(f"  {'path':<24}{'seconds':>10}{'tokens/s':>12}")
+            for name, r in entry["rows"].items():
+                print(f"  {name:<24}{r['seconds']:>10.3f}{r['tokens_per_s']:>12.0f}")
+            print(f"  odyssey / transformers: {entry['speedup_odyssey_over_transformers']:.2f}x  "
+                  f"(max |log-prob diff| {entry['max_abs_logprob_diff']:.1e})")
+        if "decode" in parts:
             d = entry["decode"]
             print(f"{model_type}: greedy decode, {d['rows']} rows x {d['new_tokens']} new tokens after "
                   f"{d['prompt_tokens']}")

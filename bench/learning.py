@@ -335,13 +335,21 @@ def plot_curves(runs: list[dict]) -> None:
         return
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4))
     for r in rs:
-        c = r["curve"]
+        c = r["curve"] + r.get("curve_after_steps", [])  # an adopted longer run's later evals too
         label = f"{r['family']} {LABELS[r['variant']].replace(chr(10), ' ')} seed {r['seed']}"
-        by_step.plot([p["step"] for p in c], [p["success"] for p in c], marker="o", label=label)
-        by_time.plot([p["wall_s"] / 60 for p in c], [p["success"] for p in c], marker="o", label=label)
+        for key, style in (("success", "-"), ("greedy", ":")):
+            lab = f"{label}, {'T=1' if key == 'success' else 'greedy'}"
+            line = by_step.plot([p["step"] for p in c], [p[key] for p in c], style, marker="o", label=lab)
+            by_time.plot(
+                [p["wall_s"] / 60 for p in c],
+                [p[key] for p in c],
+                style,
+                marker="o",
+                color=line[0].get_color(),
+            )
     for ax, x in ((by_step, "policy step"), (by_time, "wall-clock minutes since the run started")):
         ax.set_xlabel(x)
-        ax.set_ylabel("held-out success (T = 1)")
+        ax.set_ylabel("held-out success (solid T = 1, dotted greedy)")
         ax.set_ylim(0, 1)
     by_step.legend(fontsize=7)
     fig.suptitle("SmolLM2-135M-Instruct, no warm-up: held-out success during RL (2 CPU cores)")

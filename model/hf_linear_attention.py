@@ -33,7 +33,9 @@ HFPolicy at construction, before anything runs) fixes this per layer:
 transformers' Gated DeltaNet layers (`qwen3_next`, `qwen3_5`, `qwen3_5_moe`) get the same treatment
 (`_PackedGDN`, `stateful_gdn`): short conv over the concatenated [q; k; v] per sequence, then the gated delta
 rule S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T with one log-decay per head
-(model/gated_delta.py: chunkwise for long pieces, token steps for decode), S_0 = 0 at every sequence start;
+(model/gated_delta.py: chunkwise for long pieces, token steps for decode; on CUDA with fla-core, fla's Triton
+`chunk_gated_delta_rule` for the packed forward and prefills, model/gated_delta_fla.py), S_0 = 0 at every
+sequence start;
 their gated full-attention layers (output gate, partial rope) take HFPolicy's per-sequence packed SDPA
 (`odyssey_packed_sdpa`), as do kimi_linear's MLA layers. In TorchEngine their rows carry the same
 `KDAState` (conv tail [1, 2HkK + HvV, W-1], S [1, Hv, K, V] fp32).
@@ -63,10 +65,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import kda, kda_chunk, kda_fla, kda_recurrent
+from model import gated_delta_fla, kda, kda_chunk, kda_fla, kda_recurrent
 from model.gated_delta import gated_delta, l2norm
 from model.kda_reference import naive_recurrent_kda
-from model.short_conv import causal_short_conv, causal_short_conv_silu
+from model.short_conv import causal_short_conv, causal_short_conv_silu, seq_lens_from_cu
 
 CU_KWARG = "odyssey_cu_seqlens"
 # model_type -> (module of transformers.models, KDA layer class, trunk class, DSA attention class or None)
@@ -300,9 +302,12 @@ def stateful_gdn(layer: nn.Module, x: torch.Tensor, cu: torch.Tensor, conv_state
         q, k = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)
     beta = b.sigmoid().to(acc)
     g = -layer.A_log.to(acc).exp() * F.softplus(a.to(acc) + layer.dt_bias)
+    args = ((l2norm(q) * K**-0.5)[None], l2norm(k)[None], v[None], g[None], beta[None], state, cu)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        o, S = gated_delta((l2norm(q) * K**-0.5)[None], l2norm(k)[None], v[None], g[None], beta[None],
-                           initial_state=state, cu_seqlens=cu)
+        if q.is_cuda and gated_delta_fla.applies(q, seq_lens_from_cu(cu, T)):  # fla: packed forward, prefills
+            o, S = gated_delta_fla.chunk_gated_delta_fla(*args)
+        else:  # CPU, decode steps, fp64: the torch forms (chunkwise / token steps)
+            o, S = gated_delta(*args)
     o = layer.norm(o[0].to(x.dtype).reshape(T * Hv, Vd), z.reshape(T * Hv, Vd))
     return layer.out_proj(o.reshape(T, Hv * Vd)), conv_new, S
 

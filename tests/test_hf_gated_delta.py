@@ -20,6 +20,11 @@ downloaded. Oracle: transformers' own model, unpatched, eager attention, its tor
   observation, forks == HFPolicy's full forward (<= 1e-4); greedy == transformers' `generate` token for
   token; two-turn rollout log-probs == the learner's token_logprobs (<= 1e-4);
 - config load: accepted for rollout.engine=torch, refused for rollout.engine=vllm naming TorchEngine and why.
+
+fla on CUDA (model/gated_delta_fla.py): on CPU, the argument mapping via fla's own torch reference == our
+naive oracle (<= 1e-5); with a GPU (bench/gpu_hybrid.sh; skipped with the reason elsewhere), fla's Triton
+kernel vs the naive oracle in fp64 (outputs, states, grads; FLA_TOL per dtype) and packed model log-probs,
+fla vs the torch forms.
 """
 
 from __future__ import annotations
@@ -147,6 +152,103 @@ def test_bad_inputs_name_the_problem():
         chunk_gated_delta(q, k, v, g, beta, S0[:1], cu)
     with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
         gated_delta(q, k, v, g, beta, None, torch.tensor([0, 5, 7], dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------- fla (CUDA backend)
+#: fla's Triton kernels vs our naive oracle (model/gated_delta_fla.py), relative RMS error of outputs, final
+#: states and the gradients of q, k, v, g, beta, S0. NOT YET MEASURED on a GPU (none on the machine that wrote
+#: them): set from the chunkwise form's fp32 error (<= 1e-5) widened for fla's TF32/bf16 tensor-core dots
+#: (fp32 inputs) and bf16 rounding of the inputs and of fla's bf16 outputs (bf16 inputs); the first run of
+#: bench/gpu_hybrid.sh records the measured errors, tighten from those.
+FLA_TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
+NO_CUDA = "needs a CUDA GPU for fla's Triton kernels (this machine has none); run bench/gpu_hybrid.sh on one"
+
+
+def test_fla_argument_mapping_equals_the_naive_recurrence():
+    """CPU check of model/gated_delta_fla.py's mapping: fla's own torch reference
+    (`naive_recurrent_gated_delta_rule`, the semantics of its Triton `chunk_gated_delta_rule`) run per
+    sequence on the mapped kwargs (scale 1, no in-kernel L2 norm / beta sigmoid, fp32 initial states, empty
+    sequences left out of cu_seqlens and given back their initial state) == our naive oracle, fp32 <= 1e-5."""
+    import warnings
+
+    from model import gated_delta_fla
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Triton is not supported on current platform" on CPU machines
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule as fla_naive
+    lens = [7, 0, 70, 3]
+    (q, k, v, g, beta, S0), cu = _inputs(lens, K=16, Vd=8)
+    kw, kept, N = gated_delta_fla.fla_kwargs(q, k, v, g, beta, S0, cu)
+    assert kept == [0, 2, 3] and N == 4 and kw["cu_seqlens_cpu"].tolist() == [0, 7, 77, 80]
+    assert kw["scale"] == 1.0 and kw["output_final_state"] and kw["chunk_size"] == 64
+    assert not (kw["use_qk_l2norm_in_kernel"] or kw["use_beta_sigmoid_in_kernel"] or kw["allow_neg_eigval"])
+    b = kw["cu_seqlens_cpu"].tolist()
+    outs = [fla_naive(*(kw[n][:, a:e] for n in ("q", "k", "v", "beta", "g")), scale=kw["scale"],
+                      initial_state=kw["initial_state"][i:i + 1], output_final_state=True)
+            for i, (a, e) in enumerate(zip(b[:-1], b[1:]))]
+    o, S = gated_delta_fla.outputs(torch.cat([o for o, _ in outs], 1), torch.cat([s for _, s in outs]),
+                                   kept, N, S0, q.dtype)
+    o_ref, S_ref = naive_recurrent_gated_delta(q, k, v, g, beta, S0, cu)
+    assert (o - o_ref).abs().max().item() <= TOL and (S - S_ref).abs().max().item() <= TOL
+    assert torch.equal(S[1], S0[1])  # the empty sequence keeps its initial state
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_backend_on_cuda(dtype):
+    """fla's `chunk_gated_delta_rule` (model/gated_delta_fla.py) on CUDA == the naive oracle (fp64 on the
+    same inputs) and == the torch chunkwise form on CUDA: outputs, final states and the gradients of every
+    input, relative RMS <= FLA_TOL[dtype]; packed lengths 0, 1, < chunk, > chunk, 2 chunks + 2, with initial
+    states; K = V = 64 (a real head dim); and `stateful_gdn` dispatches to it for a packed forward."""
+    from model import gated_delta_fla
+
+    assert gated_delta_fla.available(), "fla-core must import on a CUDA machine (the gpu extra)"
+    dev, lens, H, K, Vd = torch.device("cuda"), [7, 1, 70, 0, 130, 3], 4, 64, 64
+    (q, k, v, g, beta, S0), cu = _inputs(lens, H=H, K=K, Vd=Vd, seed=5)
+    assert gated_delta_fla.applies(q.to(dev, dtype), lens)
+    gen = torch.Generator().manual_seed(9)
+    w_o = torch.randn(1, sum(lens), H, Vd, generator=gen)
+    w_s = torch.randn(len(lens), H, K, Vd, generator=gen)
+
+    def run(fn, device, dt):
+        xs = [x.detach().to(device, dt if i < 5 else torch.float32).requires_grad_(True)
+              for i, x in enumerate((q, k, v, g, beta, S0))]
+        o, S = fn(*xs, cu.to(device))
+        ((o.float() * w_o.to(device)).sum() + (S.float() * w_s.to(device)).sum()).backward()
+        return [t.detach().double().cpu() for t in (o, S, *(x.grad for x in xs))]
+
+    truth = run(naive_recurrent_gated_delta, "cpu", torch.float64)
+    fla = run(gated_delta_fla.chunk_gated_delta_fla, dev, dtype)
+    torch_chunk = run(chunk_gated_delta, dev, dtype)
+    errs = {n: (_rel(a, t), _rel(c, t)) for n, a, c, t in zip("o S q k v g beta S0".split(), fla, torch_chunk,
+                                                               truth)}
+    print(f"fla vs naive fp64 ({dtype}), (fla, torch chunkwise) rel RMS:", errs)
+    for name, (e_fla, _) in errs.items():
+        assert e_fla <= FLA_TOL[dtype], (name, e_fla, errs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_packed_logprobs_on_cuda_with_fla_equal_the_torch_forms(hybrid, monkeypatch):
+    """HFPolicy packed log-probs on CUDA (fp32): fla's kernel (the dispatch in `stateful_gdn`, spied) == the
+    torch forms (ODYSSEY_GDN_FLA=0), rel <= FLA_TOL[fp32]."""
+    from model import gated_delta_fla
+
+    model_type, path = hybrid
+    ids, tg, cu = (t.cuda() for t in _batch())
+    calls = []
+    real = gated_delta_fla.chunk_gated_delta_fla
+    monkeypatch.setattr(gated_delta_fla, "chunk_gated_delta_fla", lambda *a: calls.append(1) or real(*a))
+    pol = HFPolicy.from_pretrained(path).to("cuda").eval()
+    with torch.no_grad():
+        fla_lp = pol.token_logprobs(ids, tg, cu)
+        assert calls, "stateful_gdn did not take fla's kernel for a packed CUDA forward"
+        monkeypatch.setenv("ODYSSEY_GDN_FLA", "0")
+        n = len(calls)
+        ref = pol.token_logprobs(ids, tg, cu)
+        assert len(calls) == n
+    err = _rel(fla_lp.double().cpu(), ref.double().cpu())
+    print(f"{model_type}: fla chunk_gated_delta_rule vs torch forms, packed log-probs rel RMS {err:.2e}")
+    assert err <= FLA_TOL[torch.float32]
 
 
 # ------------------------------------------------------------------------------------------------ models

