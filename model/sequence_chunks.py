@@ -37,14 +37,17 @@ windows).
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 
 from model.attn_res import AttnResStream
 from model.kda import KDALayerState
+from model.moe import statistics_recording
 
 
 @dataclass(frozen=True)
@@ -106,9 +109,29 @@ def _mix_with_carry(layer, x: torch.Tensor, cu: torch.Tensor, lens: tuple[int, .
             state = KDALayerState(S, conv)
         a, new = mixer(x, cu, state)
         return a, (new.recurrent[-1:], new.conv[-1:])
+    if isinstance(mixer, FSDPModule):  # the MLA unit's parameters are gathered only around a forward
+        if _MLA_WINDOW not in mixer.__dict__:
+            mixer.__dict__[_MLA_WINDOW] = types.MethodType(_mla_window, mixer)
+            register_fsdp_forward_method(mixer, _MLA_WINDOW)
+        a, c_last = getattr(mixer, _MLA_WINDOW)(x, cu, lens, *(carry or ()))
+    else:
+        a, c_last = _mla_window(mixer, x, cu, lens, *(carry or ()))
+    return a, (c_last,)
+
+
+#: the name `_mix_with_carry` gives `_mla_window` on an FSDP-sharded MLA mixer, registered with
+#: `register_fsdp_forward_method` so that it all-gathers the unit's parameters (and hooks its gradient
+#: reduce-scatter) like the mixer's own forward
+_MLA_WINDOW = "_sequence_chunk_window"
+
+
+def _mla_window(mixer, x: torch.Tensor, cu: torch.Tensor, lens: tuple[int, ...], *carry: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MLA mixer on one window: x [c, D] -> (a [c, D], the latents of the window's last piece [n_last, R]).
+    carry: the continuing first piece's latents of its earlier windows (empty: no carry)."""
     T = x.shape[0]
     q, c = mixer.project_q(x), mixer.compress_kv(x)
-    if carry is None:
+    if not carry:
         o = mixer.attend_fresh(q, c, list(lens), False)
     else:  # the first piece attends over the latents of its earlier windows, then its own
         n0 = lens[0]
@@ -116,7 +139,7 @@ def _mix_with_carry(layer, x: torch.Tensor, cu: torch.Tensor, lens: tuple[int, .
         o = mixer.attend_naive(q[:n0], keys, keys.shape[0] - n0)
         if len(lens) > 1:
             o = torch.cat([o, mixer.attend_fresh(q[n0:], c[n0:], list(lens[1:]), False)])
-    return mixer.gated_output(x, o.reshape(T, -1)), (c[T - lens[-1]:],)
+    return mixer.gated_output(x, o.reshape(T, -1)), c[T - lens[-1]:]
 
 
 def _layer_step(layer, stream: AttnResStream, cu: torch.Tensor, lens: tuple[int, ...],
@@ -193,14 +216,18 @@ def chunked_forward(
     head: Callable[[torch.Tensor, Window], tuple[torch.Tensor, ...]],
     checkpoint_layers: bool | None = None,
     images=None,
+    min_windows: int = 0,
 ) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor | None, list[Window]]:
     """`OdysseyModel` (model = OdysseyForCausalLM.model) over packed input_ids [L] (cu_seqlens int [N+1],
     replay_experts [L, n_moe, k] | None) in windows of chunk_tokens tokens, with `head(h_w, window)` applied
     to each window's hidden states [c, D] inside it (module docstring). checkpoint_layers: per-layer
     checkpoints inside each window (default: model.gradient_checkpointing). images:
     `model.vision.ImagePatches` over input_ids positions (each window gets the patches of its tokens) or None.
+    min_windows: run `idle_window`s after the real windows until this many ran (the sharded learner: every
+    rank runs as many windows, so each sharded unit's all-gathers and reduce-scatters match across ranks).
 
-    Returns (head's outputs per window, routed experts [L, n_moe, k] int64 | None, the windows)."""
+    Returns (head's outputs per window, then (zero,) per idle window: a 0-dim fp32 0 to add to the loss so
+    its backward runs; routed experts [L, n_moe, k] int64 | None; the (real) windows)."""
     cfg = model.config
     if getattr(cfg, "balancing", None) == "aux_loss" and cfg.n_routed_experts > 0:
         raise ValueError("sequence chunking cannot compute the MoE auxiliary balancing loss (a statistic of "
@@ -258,8 +285,30 @@ def chunked_forward(
             carry = new
         else:
             carry = None
+    for _ in range(min_windows - len(windows)):
+        outs.append((idle_window(model, input_ids, replay_experts, checkpoint_layers),))
     routed_t = torch.cat(routed) if routed else None
     return outs, routed_t, windows
 
 
-__all__ = ["Window", "plan_cuts", "plan_windows", "window_forward", "chunked_forward"]
+def idle_window(model, input_ids: torch.Tensor, replay_experts: torch.Tensor | None,
+                checkpoint_layers: bool = False) -> torch.Tensor:
+    """A zero-weighted one-token window (the first token of input_ids [L], or token 0 when L = 0; its replayed
+    experts, if any; no carry, no images), checkpointed as a real window is when gradients are on: returns
+    0 * sum(h) (fp32, 0-dim), exactly 0, whose backward runs every layer's backward once. A rank with fewer
+    windows than another runs these so every sharded unit forwards and backwards as often on every rank.
+    Records no MoE statistics."""
+    ids = input_ids[:1] if input_ids.numel() else input_ids.new_zeros(1)
+    rep = replay_experts[:1] if replay_experts is not None and input_ids.numel() else None
+    window = Window(0, 1, (1,), False, False)
+
+    def run(ids, rep):
+        h, _, _ = window_forward(model, ids, window, rep, None, checkpoint_layers)
+        return h.float().sum() * 0.0
+
+    grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+    with statistics_recording(model, False):
+        return checkpoint(run, ids, rep, use_reentrant=False) if grad else run(ids, rep)
+
+
+__all__ = ["Window", "plan_cuts", "plan_windows", "window_forward", "chunked_forward", "idle_window"]

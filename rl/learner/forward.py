@@ -15,7 +15,8 @@ the forward and in the backward (c = HEAD_CHUNK_ELEMENTS / V rows), so [L, V] ne
 Sequence chunking (`sequence_chunk_tokens` > 0, learner.sequence_chunk_tokens): a micro-batch longer than
 that runs through `model.sequence_chunks.chunked_forward`, in windows of that many tokens carrying the KDA
 state and MLA latents, with the LM head (and value head) inside each window's checkpoint; same outputs and
-gradients, memory bounded (docs/long_context.md).
+gradients, memory bounded (docs/long_context.md). Under a sharded learner (`sync_windows`) every rank runs
+as many windows per forward, the most any rank's micro-batch needs, padding with zero-weighted idle windows.
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ class TrainModule(nn.Module):
         self.value = value
         self.sequence_chunk_tokens = sequence_chunk_tokens
         self.context_parallel_group = context_parallel_group  # a torch.distributed group of > 1 ranks | None
+        # the sharded learner sets it (rl/learner/fsdp.py): every forward then runs as many sequence windows
+        # as the longest micro-batch of any rank (zero-weighted idle windows), a MAX all-reduce per forward
+        self.sync_windows = False
         if context_parallel_group is not None and isinstance(value, Critic):
             raise ValueError("learner.context_parallel does not split a separate critic's trunk; use "
                              "learner.value_model=head, or context_parallel=1")
@@ -115,6 +119,16 @@ class TrainModule(nn.Module):
         """Windows the forward of `mb` runs in: 1 unless sequence chunking applies."""
         C = self.sequence_chunk_tokens
         return -(-mb.n_tokens // C) if C and mb.n_tokens > C else 1
+
+    def _windows_to_run(self, mb: MicroBatch, device: torch.device) -> int:
+        """`chunks(mb)`, or with `sync_windows` the most over the ranks (a collective: every rank's forward
+        calls it once)."""
+        n = self.chunks(mb)
+        if not (self.sync_windows and self.sequence_chunk_tokens):
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
 
     def forward(
         self, mb: MicroBatch, replay: bool = False, return_routed: bool = False, values: bool = False
@@ -144,16 +158,19 @@ class TrainModule(nn.Module):
         if self.context_parallel_group is not None:
             return self._context_parallel(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values,
                                           mb.images)
-        if self.chunks(mb) > 1:
-            return self._chunked(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images)
+        n_windows = self._windows_to_run(mb, dev)
+        if n_windows > 1:
+            return self._chunked(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images,
+                                 n_windows)
         return self._whole(ids, cu, rep, pos, mb.targets.to(dev), return_routed, values, mb.images,
                            mb.prefix_of)
 
     def _chunked(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None, pos: torch.Tensor,
-                 targets: torch.Tensor, return_routed: bool, values: bool, images: ImagePatches | None = None
-                 ) -> ForwardOut:
+                 targets: torch.Tensor, return_routed: bool, values: bool, images: ImagePatches | None = None,
+                 min_windows: int = 0) -> ForwardOut:
         """`forward` in windows of sequence_chunk_tokens (model/sequence_chunks.py): each window's scored
-        positions go through the LM head (and value head) inside the window."""
+        positions go through the LM head (and value head) inside the window. min_windows: pad with idle
+        windows to this many (`sync_windows`); their exact zeros are added to logp so their backward runs."""
         policy = self.policy
         order = torch.argsort(pos, stable=True)
         spos = pos[order]
@@ -167,11 +184,15 @@ class TrainModule(nn.Module):
             logp, entropy = head_logprobs(hs, targets[order[a:b]], policy.lm_head.weight)
             return (logp, entropy, self.value(hs)) if values else (logp, entropy)
 
-        outs, routed, _ = chunked_forward(policy.model, ids, cu, rep, self.sequence_chunk_tokens, head,
-                                          images=images.to(ids.device) if images is not None else None)
+        outs, routed, windows = chunked_forward(policy.model, ids, cu, rep, self.sequence_chunk_tokens, head,
+                                                images=images.to(ids.device) if images is not None else None,
+                                                min_windows=min_windows)
+        outs, idle = outs[:len(windows)], outs[len(windows):]
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         logp, entropy = (torch.cat([o[k] for o in outs])[inverse] for k in (0, 1))
+        if idle:
+            logp = logp + torch.stack([o[0] for o in idle]).sum()
         v = torch.cat([o[2] for o in outs])[inverse] if values else None
         return ForwardOut(logp=logp, entropy=entropy, values=v, routed=routed if return_routed else None,
                           aux=None)

@@ -20,8 +20,10 @@ Collectives: every rank must run the same sequence of unit forwards and backward
 each rank's micro-batches to the most any rank has in that minibatch (zero-weighted one-token passes,
 `Learner._idle_backward`), and gradients are reduce-scattered after every micro-batch (so they are
 accumulated sharded). Parameters that took no part in a backward on some rank (an unused vision tower) are
-reduce-scattered as zeros on every rank, so the collectives match. Sequence chunking and context parallelism
-run a data-dependent number of unit forwards per micro-batch and are refused with learner.sharding=fsdp.
+reduce-scattered as zeros on every rank, so the collectives match. Sequence chunking runs every unit once per
+window: each forward all-reduces the most windows any rank's micro-batch has, and the ranks with fewer run
+zero-weighted idle windows (`TrainModule.sync_windows`, model/sequence_chunks.py `idle_window`). Context
+parallelism is refused with learner.sharding=fsdp.
 
 Expert parallelism (model/expert_parallel.py): with learner.sharding=ep or fsdp+ep the routed experts of every
 LatentMoE are split over all N ranks (rank r holds experts [r*E/N, (r+1)*E/N) as DTensor shards on the same
@@ -32,7 +34,8 @@ part stays replicated under DDP (ep; the expert weights are excluded from DDP's 
 gradients already complete on the owning rank). The experts' gradients are divided by N inside the dispatch,
 matching the averaging DDP and FSDP apply to the rest. Every MoE forward is a collective, so ep and fsdp+ep
 share fsdp's rules: equal micro-batch counts on every rank (zero-weighted padding passes), collective state
-gathering (DTensors: `full_state_dict` gathers the experts too), no sequence chunking or context parallelism.
+gathering (DTensors: `full_state_dict` gathers the experts too), idle windows under sequence chunking, no
+context parallelism.
 
 Mixed precision (`MixedPrecisionPolicy`): param_dtype is the dtype units compute in after the all-gather
 ("auto": bfloat16 on CUDA, float32 on CPU), reduce_dtype the dtype of the gradient reduce-scatter; the sharded

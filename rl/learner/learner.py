@@ -209,6 +209,7 @@ class Learner:
 
             self.ddp = shard_learner_module(self.module, self.device, lc.sharding, lc.fsdp_param_dtype,
                                             lc.fsdp_reduce_dtype)
+            self.module.sync_windows = True  # as many sequence-chunk windows per forward on every rank
         elif self.distributed:
             with warnings.catch_warnings():  # torch deprecates broadcast_buffers; its replacement is not
                 # equivalent yet (it syncs at init), so keep it and keep every run's log free of the warning
@@ -276,6 +277,8 @@ class Learner:
         """The policy's weights for the rollout engines (weight sync): CPU copies, floating parameters in
         model.dtype (the router biases stay fp32, as the model keeps them). With learner.lora the adapters
         are merged into their base weights, under the base model's names (rl/learner/lora.py)."""
+        if self.lc.lora is not None and self.fsdp:  # gathered at rank 0 and merged there (collective)
+            return {k: v for b in self.weight_buckets(1 << 62) for k, v in b.items()}
         weights = merged_state_dict(self.policy) if self.lc.lora is not None else self._policy_state()
         return {k: v.detach().to("cpu", dtype=self._engine_dtype(k, v), copy=True)
                 for k, v in weights.items()}
@@ -293,8 +296,13 @@ class Learner:
         FSDP: every rank runs the generator to the end; rank 0 gets the tensors, the others {}."""
         from rl.learner.shard_export import iter_weight_buckets
 
-        if self.lc.lora is not None:  # merged adapters (refused with FSDP): one rank's dict, one bucket
-            yield self.state_dict()
+        if self.lc.lora is not None:  # merged adapters (rl/learner/lora.py)
+            if self.fsdp:
+                from rl.learner.lora import iter_merged_buckets
+
+                yield from iter_merged_buckets(self.policy, bucket_bytes, cast=self._engine_dtype)
+            else:  # one rank's dict, one bucket
+                yield self.state_dict()
             return
         yield from iter_weight_buckets(self.policy, bucket_bytes, cast=self._engine_dtype)
 
@@ -323,13 +331,19 @@ class Learner:
         if self.fsdp:  # gather everything at rank 0 (every rank takes part); only rank 0 writes
             from rl.learner.fsdp import full_optimizer_state_dict, full_state_dict
 
-            policy_sd = full_state_dict(self.policy)
+            lora = self.lc.lora is not None  # the adapters alone, gathered whole (rl/learner/lora.py)
+            policy_sd = adapter_state_dict(self.policy) if lora else full_state_dict(self.policy)
             value_sd = full_state_dict(value) if value is not None else None
             optim_sd = full_optimizer_state_dict(self.module, self.optimizer)
             if self.rank != 0:
                 return path
             path.mkdir(parents=True, exist_ok=True)
-            self.policy.save_pretrained(path / POLICY_DIR, state_dict=policy_sd)
+            if lora:
+                from safetensors.torch import save_file
+
+                save_file(policy_sd, str(path / ADAPTER_FILE))
+            else:
+                self.policy.save_pretrained(path / POLICY_DIR, state_dict=policy_sd)
         else:
             path.mkdir(parents=True, exist_ok=True)
             if self.lc.lora is not None:
@@ -377,21 +391,17 @@ class Learner:
         if self.fsdp:  # every rank reads the whole checkpoint and keeps its shard
             from rl.learner.fsdp import load_full_optimizer_state_dict, load_full_state_dict
 
-            saved = type(self.policy).from_pretrained(str(path / POLICY_DIR), dtype=torch.float32)
-            load_full_state_dict(self.policy, saved.state_dict())
+            if self.lc.lora is not None:  # each rank keeps its shard of the saved adapters
+                self._load_adapter(path, state)
+            else:
+                saved = type(self.policy).from_pretrained(str(path / POLICY_DIR), dtype=torch.float32)
+                load_full_state_dict(self.policy, saved.state_dict())
             if state["value"] is not None:
                 load_full_state_dict(self.module.value, state["value"])
             load_full_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
         else:
             if self.lc.lora is not None:
-                from safetensors.torch import load_file
-
-                saved_lora = state.get("learner_config", {}).get("lora")
-                if not (path / ADAPTER_FILE).is_file() or saved_lora != self.lc.lora.model_dump(mode="json"):
-                    raise ValueError(
-                        f"{path} holds no LoRA adapter of this learner.lora ({self.lc.lora.model_dump()}; "
-                        f"the checkpoint's: {saved_lora}): resume with the learner.lora it was written with")
-                load_adapter_state_dict(self.policy, load_file(str(path / ADAPTER_FILE)))
+                self._load_adapter(path, state)
             else:
                 saved = type(self.policy).from_pretrained(str(path / POLICY_DIR), dtype=torch.float32)
                 self.policy.load_state_dict(saved.state_dict())  # in place: the optimizer keeps its params
@@ -408,6 +418,18 @@ class Learner:
         random.setstate(rng["python"])
         for moe, tracker in zip(self.policy.moe_layers(), state.get("expert_load", [])):  # absent: older
             moe.load_tracker.load_state_dict(tracker)
+
+    def _load_adapter(self, path: Path, state: dict[str, Any]) -> None:
+        """Load `path`'s ADAPTER_FILE into the policy's LoRA layers in place (each rank its shard under FSDP),
+        refusing a checkpoint written with another learner.lora."""
+        from safetensors.torch import load_file
+
+        saved_lora = state.get("learner_config", {}).get("lora")
+        if not (path / ADAPTER_FILE).is_file() or saved_lora != self.lc.lora.model_dump(mode="json"):
+            raise ValueError(
+                f"{path} holds no LoRA adapter of this learner.lora ({self.lc.lora.model_dump()}; "
+                f"the checkpoint's: {saved_lora}): resume with the learner.lora it was written with")
+        load_adapter_state_dict(self.policy, load_file(str(path / ADAPTER_FILE)))
 
     # ------------------------------------------------------------------------------------------ the update
     def update(

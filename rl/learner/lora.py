@@ -3,6 +3,7 @@
     apply_lora(policy, cfg.learner.lora)   # peft LoRA layers on the trunk's target Linears; the rest frozen
     merged_state_dict(policy)              # the engines' weights: W + (alpha / rank) B A, the base names
     adapter_state_dict(policy)             # lora_A / lora_B only: what a checkpoint stores
+    iter_merged_buckets(policy, bucket_bytes)  # merged weights of an FSDP-sharded policy, bucket by bucket
 
 The adapters are peft's own LoRA layers (`peft.inject_adapter_in_model` on the policy's `model` trunk): each
 target `nn.Linear` becomes base(x) + (alpha / rank) B(A(dropout(x))), A initialised like peft (Kaiming), B at
@@ -17,12 +18,24 @@ CPU kernels), which an adapter wrapper never sees.
 Weight sync is merged: the rollout engines (TorchEngine, VllmEngine) receive full weights W + (alpha/rank) B A
 under the base model's parameter names, so they need no LoRA support; the price is a full-size broadcast per
 step, as in full fine-tuning.
+
+Under FSDP (learner.sharding=fsdp, rl/learner/fsdp.py) the LoRA layers sit inside the decoder-layer units, so
+a unit holds frozen base weights and trainable adapters side by side; FSDP2 shards both, all-gathers both for
+the forward, and reduce-scatters gradients only for the parameters that require them (the adapters), and the
+optimizer holds only the adapters' shards. The functions here take DTensor parameters as they are: the
+adapter state dict is gathered whole on every rank (collective; adapters are small), a saved adapter loads
+into each rank's shard, and `iter_merged_buckets` streams the merged weights as
+rl/learner/shard_export.py streams full ones (one bucket gathered at a time, each merged weight from its
+gathered W, A and B with peft's formula), equal to `merged_state_dict` of the unsharded policy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 ADAPTER = "default"  # peft's adapter name; one adapter per policy
 
@@ -65,8 +78,13 @@ def has_lora(policy: nn.Module) -> bool:
 
 
 def adapter_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter weights (detached CPU copies), under the policy's own key names."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items() if is_adapter_key(k)}
+    """The adapter weights (detached whole CPU copies), under the policy's own key names. Under FSDP each
+    sharded adapter is all-gathered, so this is collective: every rank calls it and every rank gets all."""
+    out = {}
+    for k, v in policy.state_dict().items():
+        if is_adapter_key(k):
+            out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True)
+    return out
 
 
 def load_adapter_state_dict(policy: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -81,7 +99,11 @@ def load_adapter_state_dict(policy: nn.Module, state: dict[str, torch.Tensor]) -
     own_params = dict(policy.named_parameters())
     with torch.no_grad():
         for k, v in state.items():
-            own_params[k].copy_(v)
+            p = own_params[k]
+            if isinstance(p, DTensor):  # FSDP: every rank holds the whole saved tensor and keeps its shard
+                v = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                      src_data_rank=None)
+            p.copy_(v)
 
 
 @torch.no_grad()
@@ -105,5 +127,67 @@ def merged_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["ADAPTER", "adapter_state_dict", "apply_lora", "has_lora", "is_adapter_key",
+def _merged_entries(policy: nn.Module) -> list[tuple[str, str, tuple[str, str, float] | None]]:
+    """[(engine name, state-dict key, (lora_A key, lora_B key, scaling) | None)] in state-dict order: every
+    non-adapter entry under the base model's name, with the adapter a LoRA layer's base weight merges."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: m for name, m in policy.named_modules() if isinstance(m, LoraLayer)}
+    out = []
+    for k in policy.state_dict():
+        if is_adapter_key(k):
+            continue
+        name, merge = k, None
+        if ".base_layer." in k:
+            owner, rest = k.split(".base_layer.", 1)
+            name = f"{owner}.{rest}"
+            if rest == "weight":
+                a, b = (f"{owner}.lora_{x}.{ADAPTER}.weight" for x in "AB")
+                merge = (a, b, float(layers[owner].scaling[ADAPTER]))
+        out.append((name, k, merge))
+    return out
+
+
+def iter_merged_buckets(policy: nn.Module, bucket_bytes: int,
+                        cast: Callable[[str, torch.Tensor], torch.dtype | None] | None = None,
+                        dst: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """`merged_state_dict(policy)` as buckets {engine name: whole CPU tensor} of at most `bucket_bytes`, for
+    a policy whose parameters may be FSDP DTensors (module docstring; rl/learner/shard_export.py's plan and
+    gather). A merged weight [out, in] is W + s (B A) with A = lora_A [r, in], B = lora_B [out, r] and
+    s = alpha / rank, computed in W's dtype on the gathered fp32 tensors as peft's `get_delta_weight` does,
+    then cast. Collective under FSDP: every rank runs the generator to the end; rank `dst` gets the tensors
+    (and computes the merges), the others {}. cast(name, tensor) -> dtype or None, as iter_weight_buckets."""
+    import torch.distributed as dist
+
+    from rl.learner.shard_export import gather_full, plan_buckets
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    state = policy.state_dict()  # the live (sharded) tensors; nothing gathered yet
+    entries = {name: (k, merge) for name, k, merge in _merged_entries(policy)}
+
+    def out_dtype(name: str) -> torch.dtype:
+        t = state[entries[name][0]]
+        dtype = cast(name, t) if cast is not None else None
+        return t.dtype if dtype is None else dtype
+
+    sizes = [(name, state[k].numel() * out_dtype(name).itemsize) for name, (k, _) in entries.items()]
+    for names in plan_buckets(sizes, bucket_bytes):
+        bucket: dict[str, torch.Tensor] = {}
+        for name in names:
+            k, merge = entries[name]
+            if merge is None:
+                full = gather_full(state[k], out_dtype(name))
+            else:  # gather in the stored dtype, merge, then cast (as merged_state_dict + the caller's cast)
+                w = gather_full(state[k], state[k].dtype)
+                a, b = (gather_full(state[x], state[x].dtype) for x in merge[:2])
+                full = (w + ((b @ a) * merge[2]).to(w.dtype)).to(out_dtype(name)) if rank == dst else None
+                del w, a, b
+            if rank == dst:
+                bucket[name] = full
+            del full
+        yield bucket
+        del bucket
+
+
+__all__ = ["ADAPTER", "adapter_state_dict", "apply_lora", "has_lora", "is_adapter_key", "iter_merged_buckets",
            "load_adapter_state_dict", "merged_state_dict"]

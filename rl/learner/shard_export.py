@@ -65,7 +65,7 @@ def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[s
     return buckets
 
 
-def _gather(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def gather_full(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The whole tensor on CPU in `dtype`, never aliasing the module's own storage. A DTensor is all-gathered
     (collective over its mesh); the gathered tensor is not copied again when it is already a CPU tensor of
     `dtype` that owns all of a fresh storage (a one-rank mesh hands back the shard itself: that is copied)."""
@@ -97,7 +97,7 @@ def iter_weight_buckets(module: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BY
         bucket: dict[str, torch.Tensor] = {}
         for name in names:
             t = state[name]
-            full = _gather(t, _out_dtype(cast, name, t))
+            full = gather_full(t, _out_dtype(cast, name, t))
             if rank == dst:
                 bucket[name] = full
             del full  # the other ranks drop each gathered tensor at once
@@ -161,6 +161,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "WeightBuckets",
     "collect_weight_buckets",
+    "gather_full",
     "iter_weight_buckets",
     "plan_buckets",
     "yield_weight_buckets",
