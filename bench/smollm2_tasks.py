@@ -228,9 +228,9 @@ def _tokenizer(path: str) -> Any:
 def make_dispatcher_for(log: Any) -> Any:
     import ray
 
+    from rl.placement import actor_options, torch_threads
     from rl.rollout.dispatch import Dispatcher
     from rl.rollout.worker import RolloutWorker, WorkerSettings
-    from rl.train.placement import actor_options, torch_threads
 
     def run(cfg: Any, body: Any) -> Any:
         import dataclasses

@@ -443,7 +443,7 @@ def evaluate_trl(cfg: Any, trl: dict[str, Any], episodes: int, keep: bool) -> li
 def odyssey_side(cfg: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Train (or adopt, --odyssey-run) bench/learning.py's cell, and read its run dir (`read_run`)."""
     from bench.learning import run
-    from rl.train.placement import torch_threads
+    from rl.placement import torch_threads
 
     rec = run(FAMILY, VARIANT, args.seed, args.steps, cfg.orchestrator.eval_episodes, out, args.eval_every,
               adopt=args.odyssey_run)  # fmt: skip
@@ -600,7 +600,7 @@ def main() -> int:
         )
     if args.steps < 2 or args.eval_every < 1:
         ap.error("--steps must be >= 2 and --eval-every >= 1")
-    from rl.train.placement import torch_threads
+    from rl.placement import torch_threads
 
     cfg = cell_config(args.steps, args.eval_every, args.eval_episodes, args.seed, args.override)
     check_mappable(cfg)

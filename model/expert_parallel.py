@@ -54,22 +54,35 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from model.activations import situ_glu_gu
 
 
+def _rows_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """all_to_all_single of the rows of x [sum(in_splits), ...] -> [sum(out_splits), ...], without ever
+    handing the backend an empty chunk: an empty split travels as one zero row, dropped on arrival (both sides
+    know the true splits). A rank without tokens, or an expert block nobody routed to, gives empty splits,
+    and a 2-rank learner step with them once died of heap corruption on gloo ("free(): invalid next size")."""
+    pad_in, pad_out = [max(n, 1) for n in in_splits], [max(n, 1) for n in out_splits]
+    if pad_in != in_splits:
+        pad = x.new_zeros(1, *x.shape[1:])
+        x = torch.cat([c if n else pad for c, n in zip(x.split(in_splits), in_splits)])
+    out = x.new_empty(sum(pad_out), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), pad_out, pad_in, group=group)
+    if pad_out == out_splits:
+        return out
+    kept = [c for c, n in zip(out.split(pad_out), out_splits) if n]
+    return torch.cat(kept) if kept else out[:0]
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single along dim 0 with variable splits; backward: the same exchange with splits swapped."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return _rows_all_to_all(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+        return _rows_all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:

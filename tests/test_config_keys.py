@@ -206,7 +206,7 @@ def infra_verdict(cfg: RunConfig) -> Any:
 
 
 def ray_demand(cfg: RunConfig) -> Any:
-    from rl.train.placement import cluster_demand
+    from rl.placement import cluster_demand
 
     return cluster_demand(cfg)
 

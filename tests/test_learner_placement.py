@@ -1,4 +1,4 @@
-"""Learner ranks in a Ray placement group (rl/train/placement.py, LearnerGroup._start): two FSDP ranks start
+"""Learner ranks in a Ray placement group (rl/placement.py, LearnerGroup._start): two FSDP ranks start
 in one PACK group of orchestrator.learner_resources bundles, each in its own bundle, and run a learner step
 whose result equals one unsharded rank's on the same batch; impossible requests are refused before any actor
 starts, naming the key to change."""
@@ -73,7 +73,7 @@ def test_too_few_cpus_for_the_bundles_is_refused_before_any_actor(ray_session):
 def test_placement_problems_name_the_fix():
     """No cluster needed: bundles that do not pack into the nodes, a GPU demand above the cluster's, and
     expert parallelism that does not divide the experts."""
-    from rl.train.placement import learner_bundle, learner_placement_problems
+    from rl.placement import learner_bundle, learner_placement_problems
 
     cfg = small_config(num_ranks=4, sharding="fsdp")
     o = cfg.orchestrator.model_copy(update={"learner_resources": {"CPU": 1.0, "GPU": 1.0, "x": 0.0}})

@@ -232,11 +232,11 @@ def test_sync_from_a_two_rank_fsdp_learner_streams_buckets_to_the_engine(ray_ses
     from rl.config import load_config
     from rl.learner.group import LearnerGroup
     from rl.learner.learner import master_policy
-    from rl.learner.shard_export import WeightBuckets
     from rl.policy import PolicySpec, build_policy
     from rl.rollout.engine import GenerationRequest, TorchEngine
     from rl.rollout.sampling import SamplingParams
     from rl.rollout.worker import RolloutWorker, WorkerSettings
+    from rl.weight_buckets import WeightBuckets
     from tests.learner_fixtures import ragged_batch
 
     cfg = load_config("configs/tiny.yaml", ["learner.sharding=fsdp", "learner.num_ranks=2",

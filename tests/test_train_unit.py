@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from rl.config import ConfigError, load_config
+from rl.placement import actor_options, fit_problems, torch_threads
 from rl.rollout.tasks import TaskStream
 from rl.train.buffer import ExperienceBuffer, staleness
 from rl.train.checkpoint import MARKER, latest_checkpoint, list_checkpoints, write_checkpoint
 from rl.train.eval import pass_at_k, policy_dir, summarize
 from rl.train.metrics import MetricsLog, batch_stats, step_record
-from rl.train.placement import actor_options, fit_problems, torch_threads
 from tests.traj_factory import make_traj, step
 
 STREAM = TaskStream(base_seed=0)

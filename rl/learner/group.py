@@ -20,7 +20,7 @@ Context parallelism (learner.context_parallel = R > 1): ranks r // R form a grou
 micro-batches into R contiguous shards (model/context_parallel.py); the groups are the data-parallel units,
 so the plan has num_ranks / R shares and every rank of a group gets its group's.
 
-Placement: the ranks start in one Ray placement group (rl/train/placement.py `learner_placement_group`:
+Placement: the ranks start in one Ray placement group (rl/placement.py `learner_placement_group`:
 a bundle of the rank's resources each, PACK), checked and reserved before any rank starts, removed by
 `shutdown`.
 
@@ -126,11 +126,11 @@ class LearnerGroup:
     def _start(self, actor: Any, resources: dict[str, float], torch_threads: int | None,
                **options: Any) -> None:
         """Start world_size `actor` ranks (a ray.remote class) with `resources` each, in one placement group
-        (rl/train/placement.py: bundles of `resources`, PACK, checked and reserved before any rank starts),
+        (rl/placement.py: bundles of `resources`, PACK, checked and reserved before any rank starts),
         rank r in bundle r; join them in a process group and build their Learners."""
         import ray
 
-        from rl.train.placement import (
+        from rl.placement import (
             actor_options,
             check_learner_placement,
             in_placement_group,

@@ -29,14 +29,13 @@ object store holds the whole model, as it does for an unsharded learner's state 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-DEFAULT_BUCKET_BYTES = 256 << 20  # 256 MiB
+from rl.weight_buckets import DEFAULT_BUCKET_BYTES, WeightBuckets
 
 # (name, tensor) -> the dtype the engines get it in (None: the tensor's own)
 CastFn = Callable[[str, torch.Tensor], "torch.dtype | None"]
@@ -103,26 +102,6 @@ def iter_weight_buckets(module: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BY
             del full  # the other ranks drop each gathered tensor at once
         yield bucket
         del bucket
-
-
-@dataclass
-class WeightBuckets:
-    """The manifest of one weight sync in buckets (module docstring): `names` every state-dict name in load
-    order, `refs` one Ray ObjectRef per bucket ({name: tensor}), `nbytes` the total, `bucket_bytes` the
-    cap."""
-
-    names: list[str]
-    refs: list[Any] = field(default_factory=list)
-    nbytes: int = 0
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-
-    def stream(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Fetch the buckets one at a time (blocking `ray.get`: call from a thread, not an event loop); the
-        caller drops each before the next is fetched."""
-        import ray
-
-        for ref in self.refs:
-            yield ray.get(ref)
 
 
 def yield_weight_buckets(buckets: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, Any]]:

@@ -485,7 +485,7 @@ class RolloutWorker:
         if isinstance(weights, list):
             (ref,) = weights
             weights = await ref
-        from rl.learner.shard_export import WeightBuckets
+        from rl.weight_buckets import WeightBuckets
 
         if isinstance(weights, WeightBuckets):  # a sharded learner's sync: fetch and load a bucket at a time
             stream = getattr(self.engine, "update_weights_stream", None)

@@ -145,9 +145,9 @@ def evaluate_checkpoint(cfg: Any, checkpoint: str | Path, episodes: int, console
     (workers read it themselves: the directory must be reachable from their nodes)."""
     import dataclasses
 
+    from rl.placement import actor_options, check_fits, torch_threads
     from rl.rollout.fleet import RolloutFleet, worker_spawner
     from rl.rollout.worker import WorkerSettings
-    from rl.train.placement import actor_options, check_fits, torch_threads
 
     o = cfg.orchestrator
     samples = eval_samples(cfg, episodes, o.eval_pass_k, o.eval_difficulties)

@@ -31,7 +31,7 @@ import concurrent.futures
 from pathlib import Path
 from typing import Any
 
-from rl.train.placement import torch_threads
+from rl.placement import torch_threads
 
 
 class LearnerDied(RuntimeError):

@@ -51,6 +51,7 @@ from typing import Any
 from rich.console import Console
 
 from rl.learner.estimators import estimator
+from rl.placement import actor_options, check_fits, cluster_demand, torch_threads
 from rl.rollout.dispatch import Dispatcher, Finished, NoWorkersLeft
 from rl.rollout.fleet import RolloutFleet, run_samples, worker_spawner
 from rl.rollout.health import BatchUnhealthy
@@ -61,7 +62,6 @@ from rl.train.buffer import ExperienceBuffer
 from rl.train.checkpoint import latest_checkpoint, write_checkpoint
 from rl.train.learner_client import LearnerClient, LearnerDied
 from rl.train.metrics import ProgressLine, batch_stats, sample_rows, step_record
-from rl.train.placement import actor_options, check_fits, cluster_demand, torch_threads
 from rl.train.sinks import SAMPLES_TEXT_FILE, MetricSinks
 from rl.train.stages import StageController, stage_config
 from rl.train.weight_sync import WeightSync
