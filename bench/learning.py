@@ -198,6 +198,11 @@ def run(
     metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_wall = {m["step"]: m["wall_s"] for m in metrics if "wall_s" in m and "step" in m}  # since the start
     first, last = evals[0], evals[-1]
+
+    def point(e: dict) -> dict:  # one evaluation on the curve, at the wall seconds of its step
+        return {"step": e["step"], "success": e["success"], "greedy": e["greedy"],
+                "wall_s": step_wall.get(e["step"], 0.0)}  # fmt: skip
+
     keys = ("success", "greedy", f"pass@{cfg.orchestrator.eval_pass_k}", "episodes", "infra_errors")
     assert first["step"] == 0 and last["step"] == steps, (first["step"], last["step"])
     rec = {
@@ -210,32 +215,10 @@ def run(
         "episodes_per_step": cfg.rollout.episodes,
         "sft": {k: first[k] for k in keys},
         "rl": {k: last[k] for k in keys},
-        "curve": [
-            {
-                "step": e["step"],
-                "success": e["success"],
-                "greedy": e["greedy"],
-                "wall_s": step_wall.get(e["step"], 0.0),
-            }
-            for e in evals
-        ],  # fmt: skip
+        "curve": [point(e) for e in evals],
         "wall_s": wall if wall is not None else step_wall.get(steps),
         **({"adopted_from": str(adopt)} if adopt is not None else {}),
-        **(
-            {
-                "curve_after_steps": [
-                    {
-                        "step": e["step"],
-                        "success": e["success"],
-                        "greedy": e["greedy"],
-                        "wall_s": step_wall.get(e["step"], 0.0),
-                    }
-                    for e in later
-                ]
-            }
-            if later
-            else {}
-        ),
+        **({"curve_after_steps": [point(e) for e in later]} if later else {}),
     }
     print(
         f"  {family} {variant} seed {seed}: SFT-only {first['success']:.3f} -> RL {last['success']:.3f} "
