@@ -40,9 +40,12 @@ Variants (overrides on the family's config):
   rl_outcome_only       the same without the process and sub-goal rewards. arith only.
   rl_raft_blank         rl_raft with env.kwargs.blank_images=true: the image hidden. vision-arith only.
   grpo_pretrained       GRPO at the config's own learning rate (a pretrained model: 1e-5), one epoch.
-                        smollm2-arith only.
+                        smollm2 families only (smollm2-arith: one turn; smollm2-tools: calc/answer tools
+                        in Docker, shown three worked episodes, configs/smollm2_arith_tools.yaml).
   ppo_pretrained        PPO: GAE advantages from a separate critic (a copy of the policy's trunk with a value
-                        head), the config's learning rate. smollm2-arith only.
+                        head), the config's learning rate. smollm2 families only.
+  grpo_pretrained_lora  grpo_pretrained with LoRA adapters (rank 16, alpha 32, every attention and MLP
+                        projection; only they train) at lr 1e-4. smollm2 families only.
 `--variants` / `--families` / `--seeds` run some of them; the results file keeps the runs of the others
 (and of other seeds of the same cell when they ran with the same steps and eval episodes), each with the
 steps and eval episodes it was run with (see "summary"). `--eval-every N` also evaluates every N steps
@@ -87,6 +90,12 @@ VARIANTS = {
     "rl_raft_blank": [*RAFT, "env.kwargs.blank_images=true"],
     "grpo_pretrained": ["learner.advantage=grpo"],
     "ppo_pretrained": ["learner.advantage=gae", "learner.value_model=critic"],
+    # LoRA adapters (peft) of rank 16 on every projection; adapters take a larger step than full fine-tuning
+    "grpo_pretrained_lora": [
+        "learner.advantage=grpo", "learner.lr=1e-4",
+        "learner.lora={rank: 16, alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, "
+        "up_proj, down_proj]}",
+    ],
 }
 LABELS = {
     "rl": "GRPO",
@@ -96,6 +105,7 @@ LABELS = {
     "rl_raft_blank": "RAFT\n(images blank)",
     "grpo_pretrained": "GRPO\n(from the instruct model)",
     "ppo_pretrained": "PPO + critic\n(from the instruct model)",
+    "grpo_pretrained_lora": "GRPO + LoRA r16\n(from the instruct model)",
 }
 
 
@@ -132,7 +142,14 @@ FAMILIES = {
         "configs/smollm2_arith_qa.yaml",
         None,
         "SmolLM2-135M-Instruct, arithmetic in words (one turn)",
-        ("grpo_pretrained", "ppo_pretrained"),
+        ("grpo_pretrained", "ppo_pretrained", "grpo_pretrained_lora"),
+        both_targets=True,
+    ),
+    "smollm2-tools": Family(
+        "configs/smollm2_arith_tools.yaml",
+        None,
+        "SmolLM2-135M-Instruct, calc + answer tools (multi-turn, Docker)",
+        ("grpo_pretrained", "ppo_pretrained", "grpo_pretrained_lora"),
         both_targets=True,
     ),
 }

@@ -55,6 +55,11 @@ TOOL_EXAMPLE = (
     'and when the tool answers 5, reply <tool_call>{"name": "answer", "arguments": {"value": 5}}</tool_call>.'
 )
 
+# the env arguments of configs/smollm2_arith_tools.yaml (one source: the shipped config), worked episodes
+# (env.kwargs.demonstrations) included
+TOOL_CONFIG = ROOT / "configs" / "smollm2_arith_tools.yaml"
+TOOL_CONFIG_KWARGS = yaml.safe_load(TOOL_CONFIG.read_text())["env"]["kwargs"]
+
 BASE: dict[str, Any] = {
     "model": {"hf_path": "smollm2-135m-instruct", "dtype": "float32"},
     "rewards": [{"name": "outcome", "weight": 1.0}],
@@ -129,6 +134,16 @@ CANDIDATES: dict[str, dict[str, Any]] = {
             "id": "arith",
             "kwargs": {"difficulty": 0, "tools_in_prompt": True, "instructions": TOOL_EXAMPLE},
         },
+        "rollout": {"max_turns": 4, "max_tokens": 2048, "sandbox_pool_size": 2},
+    },
+    "arith_d0_tools_demos": {
+        "what": "arith as arith_d0_tools, with three worked episodes as earlier turns of the conversation "
+        "(env.kwargs.demonstrations, envs/demonstrations.py; configs/smollm2_arith_tools.yaml)",
+        "env": {
+            "id": "arith",
+            "kwargs": TOOL_CONFIG_KWARGS,
+        },
+        "rewards": [{"name": "outcome", "weight": 1.0}],
         "rollout": {"max_turns": 4, "max_tokens": 2048, "sandbox_pool_size": 2},
     },
 }
@@ -257,14 +272,14 @@ def make_dispatcher_for(log: Any) -> Any:
 
 
 def init_ray_with_probe_tol(tol: float | None, num_cpus: int = 2) -> bool:
-    """rl.rollout.cli.init_ray, and with `tol` also model.hf_policy.PACKING_PROBE_TOL = tol in every worker
+    """rl.rollout.fleet.init_ray, and with `tol` also model.hf_policy.PACKING_PROBE_TOL = tol in every worker
     process. The fp32 load-time packing probe was an absolute 1e-4 on the logits, and it refused this 30-layer
     model (max |logit diff| 1.4e-4 at 1 thread: float rounding, not leakage), so the 2026-12-06 results ran
     with --packing-probe-tol 1e-3 (recorded in the JSON). The probe's tolerance has since become relative to
     the logits' magnitude (commit ae633e4) and accepts the model: the flag is no longer needed. It changes
     only the load-time check, never a computation."""
     if tol is None:
-        from rl.rollout.cli import init_ray
+        from rl.rollout.fleet import init_ray
 
         return init_ray(num_cpus)
     import ray

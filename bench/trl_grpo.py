@@ -87,10 +87,13 @@ def ascii_share_reward(completions: list[str], **_: Any) -> list[float]:
 
 
 def trl_tokens_per_s(cfg: Any, steps: int, threads: int, model_dir: str | None = None,
-                     signal: bool = False) -> dict[str, Any]:
-    """Run `steps` GRPOTrainer steps on CPU with `threads` torch threads -> tokens/s over steps 2..steps.
+                     signal: bool = False, gradient_checkpointing: bool = False) -> dict[str, Any]:
+    """Run `steps` GRPOTrainer steps on CPU with `threads` torch threads -> tokens/s over steps 2..steps and
+    over the whole run (all steps' tokens / seconds from `trainer.train()` to the end of the last step).
     model_dir: an HF checkpoint to train (the same-model comparison); None = `llama_like` of cfg's preset.
-    signal: add `ascii_share_reward` to the answer check (so a random policy's groups do not tie)."""
+    signal: add `ascii_share_reward` to the answer check (so a random policy's groups do not tie).
+    gradient_checkpointing: TRL's `GRPOConfig` turns it on by default; off here unless asked, as our
+    learner runs with learner.activation_checkpointing=false (the same recomputation on both sides)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -155,6 +158,7 @@ def trl_tokens_per_s(cfg: Any, steps: int, threads: int, model_dir: str | None =
                 num_iterations=1,
                 seed=lc.seed,
                 dataloader_num_workers=0,
+                gradient_checkpointing=gradient_checkpointing,
             )
             trainer = GRPOTrainer(
                 model=model,
@@ -187,7 +191,9 @@ def trl_tokens_per_s(cfg: Any, steps: int, threads: int, model_dir: str | None =
         "seconds_per_step": (t_last - t_first) / (steps - 1),
         "tokens_per_step": statistics.mean(per_step),
         "tokens_per_s": (n_last - n_first) / (t_last - t_first),
+        "tokens_per_s_whole_run": n_last / (t_last - t0),
         "first_step_tokens": n_first,
+        "gradient_checkpointing": gradient_checkpointing,
         "mean_reward": statistics.mean(rewards) if rewards else None,
         "rewards": "answer check + ascii share" if signal else "answer check",
         "wall_s_with_startup": wall,

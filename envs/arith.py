@@ -46,6 +46,7 @@ class ArithEnv(GeneratedTaskEnv):
         max_turns: int | None = None,
         sandbox_pool: Any | None = None,
         tools_in_prompt: bool = True,
+        demonstrations: Any = None,
     ) -> None:
         super().__init__(
             difficulty,
@@ -53,6 +54,7 @@ class ArithEnv(GeneratedTaskEnv):
             max_turns=max_turns,
             sandbox_pool=sandbox_pool,
             tools_in_prompt=tools_in_prompt,
+            demonstrations=demonstrations,
         )
         self.uses_sandbox = use_sandbox
         if instructions is not None:

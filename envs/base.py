@@ -63,12 +63,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, ClassVar, Protocol
 
 import gymnasium
 
 from envs.dataset import DatasetRow, TaskDataset, as_row
+from envs.demonstrations import check_demonstrations
 from envs.spaces import ChatMessages, ChatText
 from envs.threads import run_in_own_thread
 from envs.tool_call import (
@@ -128,6 +129,8 @@ class ToolEnv(gymnasium.Env):
         sandbox_pool: a started `sandbox.pool.SandboxPool` shared by many envs; None = the process-wide
             `sandbox.pool.default_pool()` (started on first use, closed at exit).
         tools_in_prompt: list the tools in the system message (off when the chat template renders them).
+        demonstrations: worked example turns placed between the system message and the task
+            (envs/demonstrations.py); None = none.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
@@ -166,6 +169,7 @@ class ToolEnv(gymnasium.Env):
         max_turns: int | None = None,
         sandbox_pool: Any | None = None,
         tools_in_prompt: bool = True,
+        demonstrations: Sequence[Message] | None = None,
     ) -> None:
         if type(self).generate_task is ToolEnv.generate_task:
             raise TypeError(
@@ -179,6 +183,7 @@ class ToolEnv(gymnasium.Env):
         self.observation_space = ChatMessages(images=self.observes_images)
         self.action_space = ChatText()
         self.tools_in_prompt = tools_in_prompt
+        self.demonstrations = check_demonstrations(demonstrations)
         self.task: Any = None
         self._pool = sandbox_pool
         self._lease: contextlib.ExitStack | contextlib.AsyncExitStack | None = None
@@ -220,15 +225,16 @@ class ToolEnv(gymnasium.Env):
         return []
 
     def first_messages(self) -> list[Message]:
-        """The conversation's start for `self.task`: [system, user(prompt)]. A task whose prompt is a list of
-        chat messages (a conversational dataset row) starts with those, after the system message unless
-        they bring their own."""
+        """The conversation's start for `self.task`: [system, *demonstrations, user(prompt)]. A task whose
+        prompt is a list of chat messages (a conversational dataset row) starts with those, after the system
+        message and demonstrations unless they bring their own system message."""
         system = {"role": "system", "content": self.system_prompt()}
+        demos = [dict(m) for m in self.demonstrations]
         prompt = self.task.prompt
         if isinstance(prompt, str):
-            return [system, {"role": "user", "content": prompt}]
+            return [system, *demos, {"role": "user", "content": prompt}]
         messages = [dict(m) for m in prompt]
-        return messages if any(m.get("role") == "system" for m in messages) else [system, *messages]
+        return messages if any(m.get("role") == "system" for m in messages) else [system, *demos, *messages]
 
     async def setup(self) -> None:
         """Prepare the leased sandbox for `self.task` (write files...). Default: nothing."""

@@ -53,6 +53,7 @@ class CodeRepairEnv(GeneratedTaskEnv):
         max_turns: int | None = None,
         sandbox_pool: Any | None = None,
         tools_in_prompt: bool = True,
+        demonstrations: Any = None,
     ) -> None:
         super().__init__(
             difficulty,
@@ -60,6 +61,7 @@ class CodeRepairEnv(GeneratedTaskEnv):
             max_turns=max_turns,
             sandbox_pool=sandbox_pool,
             tools_in_prompt=tools_in_prompt,
+            demonstrations=demonstrations,
         )
         self.auto_finish, self.test_timeout_s, self.run_timeout_s = auto_finish, test_timeout_s, run_timeout_s
         self._runner = script_source("observe")

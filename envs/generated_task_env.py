@@ -26,8 +26,10 @@ class GeneratedTaskEnv(ToolEnv):
         max_turns: int | None = None,
         sandbox_pool: Any | None = None,
         tools_in_prompt: bool = True,
+        demonstrations: Any = None,
     ) -> None:
-        super().__init__(max_turns=max_turns, sandbox_pool=sandbox_pool, tools_in_prompt=tools_in_prompt)
+        super().__init__(max_turns=max_turns, sandbox_pool=sandbox_pool, tools_in_prompt=tools_in_prompt,
+                         demonstrations=demonstrations)
         self.tasks.resolve_config(difficulty, config)  # fail fast on bad settings
         self.difficulty, self.config_overrides = difficulty, dict(config or {})
 

@@ -71,6 +71,7 @@ class LongDocsEnv(GeneratedTaskEnv):
         max_turns: int | None = None,
         sandbox_pool: Any | None = None,
         tools_in_prompt: bool = True,
+        demonstrations: Any = None,
     ) -> None:
         super().__init__(
             difficulty,
@@ -78,6 +79,7 @@ class LongDocsEnv(GeneratedTaskEnv):
             max_turns=max_turns,
             sandbox_pool=sandbox_pool,
             tools_in_prompt=tools_in_prompt,
+            demonstrations=demonstrations,
         )
         self.uses_sandbox = use_sandbox
         self.tool_timeout_s = tool_timeout_s

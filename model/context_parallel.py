@@ -42,14 +42,32 @@ context-parallel group, apart from the DDP group, so the two never interleave). 
 values and gradients, R3 on: tests/test_context_parallel.py. Limits: no activation checkpointing inside the
 shard (a shard's memory is that of an unchunked forward of L/R tokens), no MoE auxiliary loss (a statistic
 of the whole batch); docs/long_context.md.
+
+Under the sharded learner (rl/learner/fsdp.py: learner.sharding = fsdp, ep, fsdp+ep) two more kinds of
+collective run over all W ranks, across the context-parallel groups: FSDP2's parameter all-gathers (forward,
+and again in the backward when a unit's output gradient arrives) and gradient reduce-scatters (when its input
+gradient is complete), and the experts' all_to_alls (three per MoE forward, two per backward). Every rank
+runs every layer once per micro-batch forward, so their counts match. Each mixer's shard computation is one
+forward method of its FSDP unit (`_mix`: `register_fsdp_forward_method`, as sequence chunking does), so the
+unit's parameters are gathered around it and its backward is hooked like its forward's. And each mixer's
+output is tied to its layer's last gather (`Exchange.tie`), so a layer's backward runs, on every rank, in one
+dependency-forced order: FFN unit (all-gather, the MoE all_to_alls, reduce-scatter), then the mixer unit's
+all-gather, its CP gathers last to first, its reduce-scatter, then the layer below. Without the tie a rank
+whose shard never reads the gathered state (a first shard) could reach the last gather's backward (a CP
+all-reduce) before the unit's all-gather, and another rank after it: a cross-group deadlock. (torch's CPU
+autograd engine runs ready nodes in reverse creation order, which keeps them in order anyway; measured:
+ep x CP2 without the tie also ran. The tie makes the order a dependency, not a scheduling accident.)
+Tested against one unsharded rank: tests/test_sharded_context_parallel.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from model.attn_res import AttnResStream
 from model.kda import kda_sequence
@@ -207,7 +225,7 @@ def _kda_mix(mixer, x: torch.Tensor, cu: torch.Tensor, shards: list[Window], ex:
             S = Ms[i] @ S + Ss[i]
         initial = torch.cat([S[None], S.new_zeros(len(me.lens) - 1, *S.shape)])
     o, _ = mixer.recurrence(q, k, v, g, beta, cu, initial)
-    return mixer.output(x, o, fused)
+    return ex.tie(mixer.output(x, o, fused))  # on every rank after all of this layer's gathers (docstring)
 
 
 def _mla_mix(mixer, x: torch.Tensor, shards: list[Window], seq_lens: list[int], ex: Exchange) -> torch.Tensor:
@@ -228,7 +246,24 @@ def _mla_mix(mixer, x: torch.Tensor, shards: list[Window], seq_lens: list[int], 
         o = mixer.attend_naive(q[:n0], keys, keys.shape[0] - n0)
         if len(me.lens) > 1:
             o = torch.cat([o, mixer.attend_fresh(q[n0:], own[n0:], list(me.lens[1:]), False)])
-    return mixer.gated_output(x, o.reshape(T, -1))
+    return ex.tie(mixer.gated_output(x, o.reshape(T, -1)))
+
+
+#: the name `_mix` gives `_kda_mix` / `_mla_mix` on an FSDP-sharded mixer, registered with
+#: `register_fsdp_forward_method` so that it all-gathers the unit's parameters around the shard's mix and
+#: hooks its backward (parameter all-gather, gradient reduce-scatter) like the mixer's own forward
+_CP_MIX = "_context_parallel_mix"
+
+
+def _mix(mixer, fn: Callable[..., torch.Tensor], x: torch.Tensor, *args) -> torch.Tensor:
+    """fn(mixer, x, *args) (`_kda_mix` / `_mla_mix`): directly, or on an FSDP unit (the sharded learner,
+    rl/learner/fsdp.py) as a forward method of the unit, whose parameters are gathered only around one."""
+    if not isinstance(mixer, FSDPModule):
+        return fn(mixer, x, *args)
+    if _CP_MIX not in mixer.__dict__:
+        mixer.__dict__[_CP_MIX] = types.MethodType(fn, mixer)
+        register_fsdp_forward_method(mixer, _CP_MIX)
+    return getattr(mixer, _CP_MIX)(x, *args)
 
 
 # ------------------------------------------------------------------------------------------- the model
@@ -271,9 +306,9 @@ def context_parallel_forward(
         j += layer.is_moe
         x = layer.attn_res.read_attn(stream, layer.attn_norm)
         if layer.layer_type == "kda":
-            a = _kda_mix(layer.mixer, x, cu, shards, ex)
+            a = _mix(layer.mixer, _kda_mix, x, cu, shards, ex)
         else:
-            a = _mla_mix(layer.mixer, x, shards, seq_lens, ex)
+            a = _mix(layer.mixer, _mla_mix, x, shards, seq_lens, ex)
         stream.add(a)
         f, topk = layer.ffn_normed(layer.attn_res.read_ffn(stream, layer.ffn_norm), rep)
         stream.add(f)

@@ -137,9 +137,9 @@ def test_fsdp_ranks_equal_one_rank_on_an_hf_model(ray_session, tmp_path, n_ranks
 
 
 def test_sharding_config_problems_name_what_exists():
-    """ep / fsdp+ep with a rank count that does not divide the experts, on a model without MoE layers, or with
-    context parallelism are refused naming the fix; FSDP with context parallelism is refused naming the key
-    to change; every sharding with sequence chunking is accepted."""
+    """ep / fsdp+ep with a rank count that does not divide the experts or on a model without MoE layers are
+    refused naming the fix; fsdp+ep with context parallelism and every sharding with sequence chunking are
+    accepted."""
     from rl.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as e:
@@ -150,10 +150,10 @@ def test_sharding_config_problems_name_what_exists():
         load_config("configs/tiny.yaml", ["learner.sharding=ep", "learner.num_ranks=2",
                                           "model.overrides={num_hidden_layers: 2, first_k_dense: 2}"])
     assert "learner.sharding=ep needs MoE layers, and this model has none" in str(e.value)
-    with pytest.raises(ConfigError) as e:
-        load_config("configs/tiny.yaml", ["learner.sharding=fsdp+ep", "learner.num_ranks=4",
-                                          "learner.context_parallel=2"])
-    assert "learner.sharding=fsdp+ep and learner.context_parallel > 1 do not combine yet" in str(e.value)
+    # context parallelism combines with every sharding (tests/test_sharded_context_parallel.py)
+    cfg = load_config("configs/tiny.yaml", ["learner.sharding=fsdp+ep", "learner.num_ranks=4",
+                                            "learner.context_parallel=2"])
+    assert cfg.learner.context_parallel == 2
     cfg = load_config("configs/tiny.yaml", ["learner.sharding=fsdp+ep", "learner.num_ranks=4"])
     assert cfg.learner.sharding == "fsdp+ep"
     # every sharding runs with sequence chunking (tests/test_fsdp_chunks.py)

@@ -81,7 +81,6 @@ def _budget_problems(c: RunConfig) -> list[str]:
         )
     out += est.problems(c) if est is not None else []
     out += _context_parallel_problems(lr)
-    out += _sharding_problems(lr)
     if lr.critic_preset is not None:
         if not _critic(lr):
             out.append(
@@ -156,21 +155,11 @@ def _context_parallel_problems(lr: LearnerSection) -> list[str]:
     return out
 
 
-def _sharding_problems(lr: LearnerSection) -> list[str]:
-    """learner.sharding: what the sharded learner (rl/learner/fsdp.py) runs with."""
-    if lr.sharding != "fsdp":  # ep, fsdp+ep: _expert_parallel_problems
-        return []
-    out = []
-    if lr.context_parallel > 1:
-        out.append("learner.sharding=fsdp and learner.context_parallel > 1 do not combine yet; set "
-                   "learner.context_parallel=1 or learner.sharding=none")
-    return out
-
-
 def _expert_parallel_problems(c: RunConfig) -> list[str]:
     """learner.sharding=ep / fsdp+ep (model/expert_parallel.py, rl/learner/fsdp.py): an Odyssey policy with
-    LatentMoE layers whose n_routed_experts learner.num_ranks divides, and none of the features that run a
-    data-dependent number of MoE forwards per rank (each MoE forward is an all_to_all of every rank)."""
+    LatentMoE layers whose n_routed_experts learner.num_ranks divides (the experts are split over all ranks,
+    context-parallel groups or not: every rank runs every MoE layer once per micro-batch forward, on its
+    shard), and no LoRA."""
     lr = c.learner
     if lr.sharding not in ("ep", "fsdp+ep"):
         return []
@@ -189,10 +178,6 @@ def _expert_parallel_problems(c: RunConfig) -> list[str]:
         out.append(f"{key}: learner.num_ranks ({lr.num_ranks}) must divide n_routed_experts ({n_experts}), "
                    "each rank holding n_routed_experts / num_ranks experts; set learner.num_ranks to one of "
                    f"{fits}")
-    if lr.context_parallel > 1:
-        out.append(f"{key} and learner.context_parallel > 1 do not combine yet (the expert exchange runs "
-                   "over all ranks, while context-parallel groups run different micro-batches); set "
-                   "learner.context_parallel=1 or learner.sharding=none")
     if lr.lora is not None:
         out.append(f"{key} and learner.lora do not combine (LoRA trains HF policies, which have no "
                    "LatentMoE); remove learner.lora")
@@ -689,6 +674,10 @@ def _env_problems(env: EnvSection, rewards: Sequence[RewardEntry] = ()) -> list[
             "loop both read it); remove env.kwargs.max_turns and set "
             f"rollout.max_turns={env.kwargs['max_turns']}"
         )
+    if "demonstrations" in env.kwargs:
+        from envs.demonstrations import demonstration_problems
+
+        out += demonstration_problems(env.kwargs["demonstrations"])
     accepted = _accepted_kwargs(factory)
     if accepted is not None:
         out += [

@@ -210,7 +210,7 @@ class TrainModule(nn.Module):
         if ids.shape[0] < R:  # too short to split (the idle rank's one token): every rank runs it whole and
             out = self._whole(ids, cu, rep, pos, targets, return_routed, values, images)  # 1/R of the grad
             return ForwardOut(*(None if t is None else _ScaleGrad.apply(t, 1.0 / R) if t.is_floating_point()
-                                else t for t in dataclasses.astuple(out)))
+                                else t for t in (getattr(out, f.name) for f in dataclasses.fields(out))))
         h, shard, routed = context_parallel_forward(policy.model, ids, cu, rep, group, return_routed,
                                                     images.to(ids.device) if images is not None else None)
         bounds = torch.tensor(shard_bounds(ids.shape[0], R), device=pos.device)
@@ -228,7 +228,8 @@ class TrainModule(nn.Module):
             with torch.no_grad():
                 routed_all = torch.cat(gather_shards(routed, [int(b - a) for a, b in
                                                               zip(bounds[:-1], bounds[1:])], group))
-        return ForwardOut(logp=full[:, 0], entropy=full[:, 1], values=full[:, 2] if values else None,
+        cols = [c.clone() for c in full.unbind(-1)]  # not views: FSDP hooks the outputs' backward
+        return ForwardOut(logp=cols[0], entropy=cols[1], values=cols[2] if values else None,
                           routed=routed_all, aux=None)
 
     def _whole(self, ids: torch.Tensor, cu: torch.Tensor, rep: torch.Tensor | None, pos: torch.Tensor,

@@ -22,8 +22,24 @@ each rank's micro-batches to the most any rank has in that minibatch (zero-weigh
 accumulated sharded). Parameters that took no part in a backward on some rank (an unused vision tower) are
 reduce-scattered as zeros on every rank, so the collectives match. Sequence chunking runs every unit once per
 window: each forward all-reduces the most windows any rank's micro-batch has, and the ranks with fewer run
-zero-weighted idle windows (`TrainModule.sync_windows`, model/sequence_chunks.py `idle_window`). Context
-parallelism is refused with learner.sharding=fsdp.
+zero-weighted idle windows (`TrainModule.sync_windows`, model/sequence_chunks.py `idle_window`).
+
+Context parallelism (learner.context_parallel = R > 1; model/context_parallel.py): FSDP2 shards over all W
+ranks (one 1-D mesh), and the CP groups of R consecutive ranks (r // R) live inside it as the W/R data-
+parallel units. Why all W rather than a 2-D (data-parallel x CP) mesh that shards within a CP group and
+replicates across groups (HSDP): memory, the reason for both. Every rank of a CP group runs every layer on
+its shard, so each needs every unit's parameters gathered, whoever holds them; sharding over all W cuts the
+resting parameter / gradient / AdamW bytes by W instead of R (the k3 plan, rl/plan/, cannot hold 1/8 of the
+model per rank), and one reduce-scatter over W does what HSDP needs two collectives for. Gradient scaling is
+the DDP path's, unchanged: each rank backpropagates W x the loss (`Learner.backward_micro_batch`), the loss
+is computed whole on every rank of a CP group but each rank's backward reaches only its own shard's tokens,
+so its gradient is its shard's share (the shares of a group sum to the group's gradient, the DDP x CP
+convention); the reduce-scatter averages over W (FSDP2's default divide factor), which sums the shares and
+the data-parallel groups exactly as DDP's all-reduce does. The CP all-gathers run on the CP group's own
+process group, inside the mixer units (model/context_parallel.py says how their order is kept the same as
+FSDP's and the experts' on every rank). Micro-batch counts are padded over all W ranks as above (an idle
+group's ranks each run the one-token pass whole, with 1/R of its zero gradient). Refused with CP as without
+sharding: sequence chunking, activation checkpointing inside a shard, a separate critic.
 
 Expert parallelism (model/expert_parallel.py): with learner.sharding=ep or fsdp+ep the routed experts of every
 LatentMoE are split over all N ranks (rank r holds experts [r*E/N, (r+1)*E/N) as DTensor shards on the same
@@ -34,8 +50,10 @@ part stays replicated under DDP (ep; the expert weights are excluded from DDP's 
 gradients already complete on the owning rank). The experts' gradients are divided by N inside the dispatch,
 matching the averaging DDP and FSDP apply to the rest. Every MoE forward is a collective, so ep and fsdp+ep
 share fsdp's rules: equal micro-batch counts on every rank (zero-weighted padding passes), collective state
-gathering (DTensors: `full_state_dict` gathers the experts too), idle windows under sequence chunking, no
-context parallelism.
+gathering (DTensors: `full_state_dict` gathers the experts too), idle windows under sequence chunking. With
+context parallelism the experts stay split over all W ranks (W divides n_routed_experts): each rank sends its
+shard's tokens, so the all_to_all crosses the CP groups while the CP gathers stay inside them, and dividing
+the experts' gradients by W matches the scaling above.
 
 Mixed precision (`MixedPrecisionPolicy`): param_dtype is the dtype units compute in after the all-gather
 ("auto": bfloat16 on CUDA, float32 on CPU), reduce_dtype the dtype of the gradient reduce-scatter; the sharded

@@ -25,9 +25,11 @@ a bundle of the rank's resources each, PACK), checked and reserved before any ra
 `shutdown`.
 
 Sharding (learner.sharding=fsdp, ep, fsdp+ep): the ranks shard the model with FSDP2 instead of DDP, split the
-MoE experts over the ranks, or both (rl/learner/fsdp.py, model/expert_parallel.py); the plan is the same, and
-`state_dict` / `save` call every rank (the gather is collective) and return rank 0's. `weights_ref` (the
-engines' weight sync) streams the weights instead under every sharded layout, one bucket gathered at a time.
+MoE experts over the ranks, or both (rl/learner/fsdp.py, model/expert_parallel.py), over all num_ranks ranks
+also with context parallelism (the CP groups inside them; tests/test_sharded_context_parallel.py); the plan
+is the same, and `state_dict` / `save` call every rank (the gather is collective) and return rank 0's.
+`weights_ref` (the engines' weight sync) streams the weights instead under every sharded layout, one bucket
+gathered at a time.
 """
 
 from __future__ import annotations
