@@ -42,20 +42,9 @@ class ArithEnv(GeneratedTaskEnv):
         use_sandbox: bool = True,
         calc_timeout_s: float = 5.0,
         instructions: str | None = None,
-        *,
-        max_turns: int | None = None,
-        sandbox_pool: Any | None = None,
-        tools_in_prompt: bool = True,
-        demonstrations: Any = None,
+        **tool_env_kwargs: Any,
     ) -> None:
-        super().__init__(
-            difficulty,
-            config,
-            max_turns=max_turns,
-            sandbox_pool=sandbox_pool,
-            tools_in_prompt=tools_in_prompt,
-            demonstrations=demonstrations,
-        )
+        super().__init__(difficulty, config, **tool_env_kwargs)
         self.uses_sandbox = use_sandbox
         if instructions is not None:
             self.instructions = instructions

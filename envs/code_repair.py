@@ -49,20 +49,9 @@ class CodeRepairEnv(GeneratedTaskEnv):
         auto_finish: bool = True,
         test_timeout_s: int = 2,
         run_timeout_s: float = 20.0,
-        *,
-        max_turns: int | None = None,
-        sandbox_pool: Any | None = None,
-        tools_in_prompt: bool = True,
-        demonstrations: Any = None,
+        **tool_env_kwargs: Any,
     ) -> None:
-        super().__init__(
-            difficulty,
-            config,
-            max_turns=max_turns,
-            sandbox_pool=sandbox_pool,
-            tools_in_prompt=tools_in_prompt,
-            demonstrations=demonstrations,
-        )
+        super().__init__(difficulty, config, **tool_env_kwargs)
         self.auto_finish, self.test_timeout_s, self.run_timeout_s = auto_finish, test_timeout_s, run_timeout_s
         self._runner = script_source("observe")
         self._runs = 0

@@ -22,14 +22,9 @@ class GeneratedTaskEnv(ToolEnv):
         self,
         difficulty: int = 0,
         config: dict[str, Any] | None = None,
-        *,
-        max_turns: int | None = None,
-        sandbox_pool: Any | None = None,
-        tools_in_prompt: bool = True,
-        demonstrations: Any = None,
+        **tool_env_kwargs: Any,
     ) -> None:
-        super().__init__(max_turns=max_turns, sandbox_pool=sandbox_pool, tools_in_prompt=tools_in_prompt,
-                         demonstrations=demonstrations)
+        super().__init__(**tool_env_kwargs)  # max_turns, sandbox_pool, tools_in_prompt, demonstrations
         self.tasks.resolve_config(difficulty, config)  # fail fast on bad settings
         self.difficulty, self.config_overrides = difficulty, dict(config or {})
 

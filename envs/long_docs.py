@@ -67,20 +67,9 @@ class LongDocsEnv(GeneratedTaskEnv):
         config: dict[str, Any] | None = None,
         use_sandbox: bool = True,
         tool_timeout_s: float = 20.0,
-        *,
-        max_turns: int | None = None,
-        sandbox_pool: Any | None = None,
-        tools_in_prompt: bool = True,
-        demonstrations: Any = None,
+        **tool_env_kwargs: Any,
     ) -> None:
-        super().__init__(
-            difficulty,
-            config,
-            max_turns=max_turns,
-            sandbox_pool=sandbox_pool,
-            tools_in_prompt=tools_in_prompt,
-            demonstrations=demonstrations,
-        )
+        super().__init__(difficulty, config, **tool_env_kwargs)
         self.uses_sandbox = use_sandbox
         self.tool_timeout_s = tool_timeout_s
         self._script = script_source("docs")

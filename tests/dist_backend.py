@@ -52,4 +52,20 @@ def init_rank(rank: int, world: int, init_file: str, timeout_s: float = 90) -> t
     return device
 
 
-__all__ = ["BACKEND", "GPUS_PER_RANK", "init_rank", "rank_device", "require_ranks"]
+def train_share(learner, batches, groups: int, group: int) -> list[dict]:
+    """What one rank of a multi-rank learner does with each batch of trajectories: prepare it, plan the
+    step over `groups` data-parallel groups (rl/learner/sharding.py) and update on group `group`'s share.
+    Returns each update's metrics."""
+    from rl.learner.sharding import plan_step
+
+    metrics = []
+    for trajectories in batches:
+        batch = learner.prepare(trajectories)
+        plan = plan_step(batch.samples, learner.lc.num_minibatches, groups,
+                         learner.lc.seed + learner.policy_steps)[group]
+        mine = set(plan.sample_indices())
+        metrics.append(learner.update([s for s in batch.samples if s.index in mine], plan, batch.metrics))
+    return metrics
+
+
+__all__ = ["BACKEND", "GPUS_PER_RANK", "init_rank", "rank_device", "require_ranks", "train_share"]

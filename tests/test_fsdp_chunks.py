@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.dist_backend import init_rank, require_ranks
+from tests.dist_backend import init_rank, require_ranks, train_share
 
 CHUNK = 16
 WEIGHT_REL = 1e-4
@@ -55,7 +55,6 @@ def _rank(rank: int, world: int, init: str, out: str, shardings: list[str]) -> N
     try:
         from rl.learner import Learner
         from rl.learner.forward import TrainModule
-        from rl.learner.sharding import plan_step
 
         seen: list[tuple[int, int]] = []
         orig = TrainModule._windows_to_run
@@ -70,14 +69,7 @@ def _rank(rank: int, world: int, init: str, out: str, shardings: list[str]) -> N
         for sharding in shardings:
             seen.clear()
             learner = Learner(_cfg(world, sharding))
-            metrics = []
-            for trajectories in _batches():
-                batch = learner.prepare(trajectories)
-                plan = plan_step(batch.samples, learner.lc.num_minibatches, world,
-                                 learner.lc.seed + learner.policy_steps)[rank]
-                mine = set(plan.sample_indices())
-                metrics.append(learner.update([s for s in batch.samples if s.index in mine], plan,
-                                              batch.metrics))
+            metrics = train_share(learner, _batches(), world, rank)
             results[sharding] = {"sd": learner.state_dict(), "metrics": metrics, "windows": list(seen)}
             del learner
         torch.save(results, f"{out}/rank{rank}.pt")
