@@ -28,23 +28,5 @@ XML="$DEST/gpu_hybrid.junit.xml"
 "$VENV/bin/pytest" -q -s -rs -p no:cacheprovider --junitxml="$XML" -k cuda \
   tests/test_hf_gated_delta.py tests/test_hf_hybrid.py tests/test_kda_fla.py 2>&1 | tee "$DEST/gpu_hybrid.log"
 RC=${PIPESTATUS[0]}
-"$VENV/bin/python" - "$XML" "$DEST/gpu_hybrid.json" "$NGPU" "$RC" <<'PY'
-import json, sys, xml.etree.ElementTree as ET
-import torch
-xml, out, ngpu, rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-cases = []
-for tc in ET.parse(xml).getroot().iter("testcase"):
-    status, reason = "passed", ""
-    for tag in ("failure", "error", "skipped"):
-        el = tc.find(tag)
-        if el is not None:
-            status, reason = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag], el.get("message", "")
-    cases.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "status": status,
-                  "seconds": round(float(tc.get("time", 0)), 2), "reason": reason[:300]})
-counts = {s: sum(c["status"] == s for c in cases) for s in ("passed", "failed", "error", "skipped")}
-summary = {"gpus": ngpu, "ran": True, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "pytest_rc": rc, "counts": counts, "cases": cases}
-json.dump(summary, open(out, "w"), indent=1)
-print(f"gpu_hybrid: {counts} -> {out}")
-PY
+"$VENV/bin/python" bench/junit_summary.py "$XML" "$DEST/gpu_hybrid.json" "$NGPU" "$RC"
 exit "$RC"

@@ -7,7 +7,9 @@
 #
 # Files: FSDP (tests/test_learner_fsdp.py), EP and fsdp+ep incl. resume and bucketed sync
 # (tests/test_expert_parallel.py), shard export (tests/test_shard_export.py), Ray placement
-# (tests/test_learner_placement.py), odyssey train with fsdp+ep (tests/test_train_sharded.py).
+# (tests/test_learner_placement.py), odyssey train with fsdp+ep (tests/test_train_sharded.py), sequence
+# chunking and context parallelism under sharding (tests/test_fsdp_chunks.py,
+# tests/test_sharded_context_parallel.py).
 # Environment: the repo's .venv (VENV=... to use another); no network needed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,25 +28,8 @@ fi
 XML="$DEST/gpu_sharding.junit.xml"
 "$VENV/bin/pytest" -q -rs -p no:cacheprovider --junitxml="$XML" \
   tests/test_learner_fsdp.py tests/test_expert_parallel.py tests/test_shard_export.py \
-  tests/test_learner_placement.py tests/test_train_sharded.py 2>&1 | tee "$DEST/gpu_sharding.log"
+  tests/test_learner_placement.py tests/test_train_sharded.py tests/test_fsdp_chunks.py \
+  tests/test_sharded_context_parallel.py 2>&1 | tee "$DEST/gpu_sharding.log"
 RC=${PIPESTATUS[0]}
-"$VENV/bin/python" - "$XML" "$DEST/gpu_sharding.json" "$NGPU" "$RC" <<'PY'
-import json, sys, xml.etree.ElementTree as ET
-import torch
-xml, out, ngpu, rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-cases = []
-for tc in ET.parse(xml).getroot().iter("testcase"):
-    status, reason = "passed", ""
-    for tag in ("failure", "error", "skipped"):
-        el = tc.find(tag)
-        if el is not None:
-            status, reason = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag], el.get("message", "")
-    cases.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "status": status,
-                  "seconds": round(float(tc.get("time", 0)), 2), "reason": reason[:300]})
-counts = {s: sum(c["status"] == s for c in cases) for s in ("passed", "failed", "error", "skipped")}
-summary = {"backend": "nccl", "gpus": ngpu, "ran": True, "device": torch.cuda.get_device_name(0) if ngpu else None,
-           "torch": torch.__version__, "pytest_rc": rc, "counts": counts, "cases": cases}
-json.dump(summary, open(out, "w"), indent=1)
-print(f"gpu_sharding: {counts} -> {out}")
-PY
+"$VENV/bin/python" bench/junit_summary.py "$XML" "$DEST/gpu_sharding.json" "$NGPU" "$RC" backend=nccl
 exit "$RC"
