@@ -46,13 +46,11 @@ from model.gated_delta import (
 )
 from model.hf_linear_attention import patch_linear_attention, transformers_reference_kernels
 from model.hf_policy import PACKING_PROBE_TOL, HFPolicy, positions_from_cu_seqlens
-from model.tokenizer import load_tokenizer
 from rl.config import ConfigError, load_config
+from tests.hf_packed_oracle import V, packed_batch, per_sequence_logprobs
 
 TOL = 1e-5
 PARITY_TOL = 1e-4
-V = len(load_tokenizer())
-LENS = [7, 1, 19, 3, 70]  # shorter than the conv window, one token, longer than a 64-token chunk
 LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 
 
@@ -234,7 +232,7 @@ def test_packed_logprobs_on_cuda_with_fla_equal_the_torch_forms(hybrid, monkeypa
     from model import gated_delta_fla
 
     model_type, path = hybrid
-    ids, tg, cu = (t.cuda() for t in _batch())
+    ids, tg, cu = (t.cuda() for t in packed_batch())
     calls = []
     real = gated_delta_fla.chunk_gated_delta_fla
     monkeypatch.setattr(gated_delta_fla, "chunk_gated_delta_fla", lambda *a: calls.append(1) or real(*a))
@@ -303,21 +301,6 @@ def reference(path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
 
 
-def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, V, (sum(LENS),), generator=torch.Generator().manual_seed(seed))
-    cu = torch.tensor([0, *np.cumsum(LENS)], dtype=torch.int32)
-    return ids, torch.roll(ids, -1), cu
-
-
-def _per_sequence_logprobs(model_type: str, ref: torch.nn.Module, ids: torch.Tensor, tg: torch.Tensor,
-                           cu: torch.Tensor) -> torch.Tensor:
-    """The oracle: HF's own forward on each sequence alone -> log p(tg[t]) [T] fp32."""
-    with transformers_reference_kernels(model_type):
-        logits = torch.cat([ref(input_ids=ids[None, a:b], use_cache=False).logits[0]
-                            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
-    return torch.log_softmax(logits.float(), -1).gather(-1, tg[:, None]).squeeze(-1)
-
-
 def test_patch_swaps_the_gated_deltanet_layers(hybrid):
     model_type, path = hybrid
     policy = HFPolicy.from_pretrained(path)
@@ -333,9 +316,9 @@ def test_packed_logprobs_equal_per_sequence_hf(hybrid):
     layers reset conv and state per sequence, the gated partial-rope attention attends within its sequence."""
     model_type, path = hybrid
     policy = HFPolicy.from_pretrained(path).eval()
-    ids, tg, cu = _batch()
+    ids, tg, cu = packed_batch()
     got = policy.token_logprobs(ids, tg, cu)
-    want = _per_sequence_logprobs(model_type, reference(path).eval(), ids, tg, cu)
+    want = per_sequence_logprobs(model_type, reference(path).eval(), ids, tg, cu)
     assert _rel(got, want) <= TOL, _rel(got, want)
     assert (got - want).abs().max().item() <= TOL * want.abs().max().item()
 
@@ -348,8 +331,8 @@ def test_without_the_patch_the_packed_forward_leaks_state():
 
     path = make_qwen3_next(tempfile.mkdtemp())
     ref = reference(path).eval()
-    ids, tg, cu = _batch()
-    want = _per_sequence_logprobs("qwen3_next", ref, ids, tg, cu)
+    ids, tg, cu = packed_batch()
+    want = per_sequence_logprobs("qwen3_next", ref, ids, tg, cu)
     with transformers_reference_kernels("qwen3_next"):
         h = ref.model(input_ids=ids[None], position_ids=positions_from_cu_seqlens(cu)[None],
                       use_cache=False).last_hidden_state[0]
@@ -382,10 +365,10 @@ def test_packed_gradients_equal_per_sequence_hf(hybrid, checkpointing):
     policy = HFPolicy.from_pretrained(path).train()
     if checkpointing:
         policy.gradient_checkpointing_enable()
-    ids, tg, cu = _batch(1)
+    ids, tg, cu = packed_batch(1)
     policy.token_logprobs(ids, tg, cu).sum().backward()
     ref = reference(path).train()
-    _per_sequence_logprobs(model_type, ref, ids, tg, cu).sum().backward()
+    per_sequence_logprobs(model_type, ref, ids, tg, cu).sum().backward()
     exact = HFPolicy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
                                                           experts_implementation="eager")).train()
     exact.token_logprobs(ids, tg, cu).sum().backward()

@@ -36,10 +36,9 @@ from model.hf_linear_attention import patch_linear_attention, transformers_refer
 from model.hf_policy import HFPackedCache, HFPolicy, positions_from_cu_seqlens
 from model.tokenizer import load_tokenizer
 from rl.config import ConfigError, load_config
+from tests.hf_packed_oracle import V, packed_batch, per_sequence_logprobs
 
 TOL = 1e-5
-V = len(load_tokenizer())
-LENS = [7, 1, 19, 3, 70]  # shorter than the conv window, one token, longer than a 64-token chunk
 
 
 def make_kimi_linear(path, seed: int = 0) -> str:
@@ -97,21 +96,6 @@ def reference(model_type: str, path: str) -> torch.nn.Module:
     return cls.from_pretrained(path, attn_implementation="eager")
 
 
-def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, V, (sum(LENS),), generator=torch.Generator().manual_seed(seed))
-    cu = torch.tensor([0, *np.cumsum(LENS)], dtype=torch.int32)
-    return ids, torch.roll(ids, -1), cu
-
-
-def _per_sequence_logprobs(model_type: str, ref: torch.nn.Module, ids: torch.Tensor, tg: torch.Tensor,
-                           cu: torch.Tensor) -> torch.Tensor:
-    """The oracle: HF's own forward on each sequence alone -> log p(tg[t]) [T] fp32."""
-    with transformers_reference_kernels(model_type):
-        logits = torch.cat([ref(input_ids=ids[None, a:b], use_cache=False).logits[0]
-                            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
-    return torch.log_softmax(logits.float(), -1).gather(-1, tg[:, None]).squeeze(-1)
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
@@ -151,9 +135,9 @@ def test_packed_logprobs_equal_per_sequence_hf(hybrid):
     and recurrences, per-sequence MLA / DSA) == transformers per sequence, rel <= 1e-5 (fp32)."""
     model_type, path = hybrid
     policy = HFPolicy.from_pretrained(path).eval()
-    ids, tg, cu = _batch()
+    ids, tg, cu = packed_batch()
     got = policy.token_logprobs(ids, tg, cu)
-    want = _per_sequence_logprobs(model_type, reference(model_type, path).eval(), ids, tg, cu)
+    want = per_sequence_logprobs(model_type, reference(model_type, path).eval(), ids, tg, cu)
     assert _rel(got, want) <= TOL, _rel(got, want)
     assert (got - want).abs().max().item() <= TOL * want.abs().max().item()
 
@@ -172,7 +156,7 @@ def test_packed_logprobs_on_cuda_with_fla_equal_the_torch_forms(hybrid, monkeypa
     from model import kda_fla
 
     model_type, path = hybrid
-    ids, tg, cu = (t.cuda() for t in _batch())
+    ids, tg, cu = (t.cuda() for t in packed_batch())
     calls = []
     real = kda_fla.chunk_kda_fla
     monkeypatch.setattr(kda_fla, "chunk_kda_fla", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -195,8 +179,8 @@ def test_without_the_patch_the_packed_forward_leaks_state(hybrid):
     from one sequence into the next: the first sequence is right, the later ones are off."""
     model_type, path = hybrid
     ref = reference(model_type, path).eval()
-    ids, tg, cu = _batch()
-    want = _per_sequence_logprobs(model_type, ref, ids, tg, cu)
+    ids, tg, cu = packed_batch()
+    want = per_sequence_logprobs(model_type, ref, ids, tg, cu)
     with transformers_reference_kernels(model_type):
         h = ref.model(input_ids=ids[None], position_ids=positions_from_cu_seqlens(cu)[None],
                       use_cache=False).last_hidden_state[0]
@@ -214,10 +198,10 @@ def test_packed_gradients_equal_per_sequence_hf(hybrid, checkpointing):
     policy = HFPolicy.from_pretrained(path).train()
     if checkpointing:
         policy.gradient_checkpointing_enable()
-    ids, tg, cu = _batch(1)
+    ids, tg, cu = packed_batch(1)
     policy.token_logprobs(ids, tg, cu).sum().backward()
     ref = reference(model_type, path).train()
-    _per_sequence_logprobs(model_type, ref, ids, tg, cu).sum().backward()
+    per_sequence_logprobs(model_type, ref, ids, tg, cu).sum().backward()
     want = dict(ref.named_parameters())
     checked = 0
     for name, p in policy.named_parameters():
