@@ -29,7 +29,7 @@ XML="$DEST/gpu_sharding.junit.xml"
 "$VENV/bin/pytest" -q -rs -p no:cacheprovider --junitxml="$XML" \
   tests/test_learner_fsdp.py tests/test_expert_parallel.py tests/test_shard_export.py \
   tests/test_learner_placement.py tests/test_train_sharded.py tests/test_fsdp_chunks.py \
-  tests/test_sharded_context_parallel.py 2>&1 | tee "$DEST/gpu_sharding.log"
+  tests/test_sharded_context_parallel.py tests/test_context_parallel_checkpointing.py 2>&1 | tee "$DEST/gpu_sharding.log"
 RC=${PIPESTATUS[0]}
 "$VENV/bin/python" bench/junit_summary.py "$XML" "$DEST/gpu_sharding.json" "$NGPU" "$RC" backend=nccl
 exit "$RC"

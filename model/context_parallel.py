@@ -39,9 +39,18 @@ rank the gradient of its own shard only (no sum: every rank already holds the wh
 
 Collectives run on `group`, a process group of the R ranks of one trajectory (the learner makes one per
 context-parallel group, apart from the DDP group, so the two never interleave). Exactness against one rank,
-values and gradients, R3 on: tests/test_context_parallel.py. Limits: no activation checkpointing inside the
-shard (a shard's memory is that of an unchunked forward of L/R tokens), no MoE auxiliary loss (a statistic
-of the whole batch); docs/long_context.md.
+values and gradients, R3 on: tests/test_context_parallel.py. Limits: no sequence chunking inside the shard
+(the exchange at layer l needs every rank's whole shard at layer l, so the forward is layer-major), no MoE
+auxiliary loss (a statistic of the whole batch); docs/long_context.md.
+
+Activation checkpointing (`checkpoint_layers`, learner.activation_checkpointing): each layer's shard step runs
+under a non-reentrant `torch.utils.checkpoint` (`_checkpointed_layer_step`), a pure function of the AttnRes
+sources [c, D] and the exchange chain's end (`Exchange.dep`, 0-d), so a rank holds every layer's input for
+its shard and, in the backward, one layer's activations at a time. The recomputation re-runs the layer's
+gathers (and, sharded, its FSDP all-gathers and MoE all_to_alls) with the same inputs, at the same point of
+the backward on every rank: the layer's FFN, the same ops on every rank, is the first to need a saved
+tensor, and the mixer's output tie keeps every gather's backward after it. Tested against the unchecked
+forward and one rank: tests/test_context_parallel_checkpointing.py.
 
 Under the sharded learner (rl/learner/fsdp.py: learner.sharding = fsdp, ep, fsdp+ep) two more kinds of
 collective run over all W ranks, across the context-parallel groups: FSDP2's parameter all-gathers (forward,
@@ -68,6 +77,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+from torch.utils.checkpoint import checkpoint
 
 from model.attn_res import AttnResStream
 from model.kda import kda_sequence
@@ -149,28 +159,31 @@ def gather_shards(x: torch.Tensor, counts: Sequence[int], group) -> list[torch.T
     return [g[r, :n] for r, n in enumerate(counts)]
 
 
-def _tie(x: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
-    """x + 0 * sum(gathered): makes x depend on `gathered` for autograd, without changing its value."""
-    return x + 0.0 * gathered.sum().to(x.dtype)
+def _tie(x: torch.Tensor, dep: torch.Tensor) -> torch.Tensor:
+    """x + 0 * dep (dep: a 0-d tensor): makes x depend on `dep` for autograd, without changing its value."""
+    return x + 0.0 * dep.to(x.dtype)
 
 
 class Exchange:
     """The all-gathers (`_GatherSum`) of one context-parallel forward, chained: each gather's input is tied
     to the previous gather's output, and the forward's result to the last one. So every rank runs every
     gather's backward (all-reduce), and in the same order, the reverse of the forward's, whatever else its
-    shard's graph looks like (module docstring)."""
+    shard's graph looks like (module docstring). The chain's end is `dep`, the sum of the last gather's
+    output (0-d): what the next tie depends on, and what a checkpointed layer takes in and hands on
+    (`context_parallel_forward`, checkpoint_layers) without holding the gathered tensor itself."""
 
     def __init__(self, group) -> None:
         self.group = group
         self.rank, self.ranks = dist.get_rank(group), dist.get_world_size(group)
-        self.last: torch.Tensor | None = None
+        self.dep: torch.Tensor | None = None
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """All-gather x (same shape on every rank) -> [R, *x.shape]."""
-        if self.last is not None:
-            x = _tie(x, self.last)
-        self.last = _GatherSum.apply(x, self.group)
-        return self.last
+        if self.dep is not None:
+            x = _tie(x, self.dep)
+        g = _GatherSum.apply(x, self.group)
+        self.dep = g.sum()
+        return g
 
     def gather_rows(self, x: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
         """All-gather row blocks x [counts[rank], ...] -> [x_0, ..., x_{R-1}]."""
@@ -179,7 +192,7 @@ class Exchange:
 
     def tie(self, x: torch.Tensor) -> torch.Tensor:
         """x, depending on the last gather (the end of the chain)."""
-        return x if self.last is None else _tie(x, self.last)
+        return x if self.dep is None else _tie(x, self.dep)
 
 
 # ------------------------------------------------------------------------------------------ the mixers
@@ -266,6 +279,45 @@ def _mix(mixer, fn: Callable[..., torch.Tensor], x: torch.Tensor, *args) -> torc
     return getattr(mixer, _CP_MIX)(x, *args)
 
 
+# ------------------------------------------------------------------------------------------- the layer
+def _layer_step(layer, stream: AttnResStream, rep: torch.Tensor | None, cu: torch.Tensor,
+                shards: list[Window], seq_lens: list[int], ex: Exchange) -> torch.Tensor | None:
+    """Decoder layer `layer` on this rank's shard: advances `stream` and `ex`; returns topk [c, k] | None."""
+    x = layer.attn_res.read_attn(stream, layer.attn_norm)
+    if layer.layer_type == "kda":
+        a = _mix(layer.mixer, _kda_mix, x, cu, shards, ex)
+    else:
+        a = _mix(layer.mixer, _mla_mix, x, shards, seq_lens, ex)
+    stream.add(a)
+    f, topk = layer.ffn_normed(layer.attn_res.read_ffn(stream, layer.ffn_norm), rep)
+    stream.add(f)
+    layer.attn_res.end_layer(stream)
+    return topk
+
+
+def _checkpointed_layer_step(layer, stream: AttnResStream, rep: torch.Tensor | None, cu: torch.Tensor,
+                             shards: list[Window], seq_lens: list[int], ex: Exchange) -> torch.Tensor | None:
+    """`_layer_step` under a non-reentrant activation checkpoint, as a pure function of the AttnRes sources
+    (each [c, D]) and the exchange chain's end (`Exchange.dep`, 0-d): the rank keeps only those for the
+    backward, and recomputes the layer, its exchanges included, when the backward first needs one of its
+    saved tensors. The recomputed gathers run the same collectives on the same inputs, so they return what
+    the forward's did. Every rank reaches that point at the same place of the layer's backward: its last
+    sublayer, the FFN / MoE, is per-token and runs the same ops on every rank, and each mixer's output is
+    tied to its last gather, so no gather's backward can run before the FFN's (module docstring). The
+    recomputation runs to the layer's last saved tensor (the FFN's), past all of its gathers, on every
+    rank."""
+
+    def run(partial, rep, dep, *blocks):
+        ex.dep = dep  # the chain as it stood before this layer (the recomputation starts from the same)
+        s = AttnResStream(list(blocks), partial)
+        topk = _layer_step(layer, s, rep, cu, shards, seq_lens, ex)
+        return s.partial if s.partial is not None else s.blocks[-1], topk, ex.dep
+
+    out, topk, ex.dep = checkpoint(run, stream.partial, rep, ex.dep, *stream.blocks, use_reentrant=False)
+    stream.set_open(out, seal=(layer.layer_idx + 1) % layer.attn_res.block_size == 0)
+    return topk
+
+
 # ------------------------------------------------------------------------------------------- the model
 def context_parallel_forward(
     model,
@@ -275,12 +327,14 @@ def context_parallel_forward(
     group,
     return_routed: bool = False,
     images=None,
+    checkpoint_layers: bool | None = None,
 ) -> tuple[torch.Tensor, Window, torch.Tensor | None]:
     """`OdysseyModel` (model = OdysseyForCausalLM.model) on this rank's shard of the packed micro-batch
     input_ids [L] (cu_seqlens int [N+1], replay_experts [L, n_moe, k] | None: the whole batch, the same on
     every rank of `group`). Collective: every rank of `group` calls it with the same batch. images: the
     batch's `model.vision.ImagePatches` (token_index into input_ids) or None; each rank embeds the patches of
-    its shard.
+    its shard. checkpoint_layers: run each layer under a non-reentrant activation checkpoint (default:
+    model.gradient_checkpointing, i.e. learner.activation_checkpointing; `_checkpointed_layer_step`).
 
     Returns (hidden states of the shard [c, D], the shard (Window: tokens [start, end) of the batch),
     routed experts of the shard [c, n_moe, k] | None)."""
@@ -298,21 +352,16 @@ def context_parallel_forward(
     ex = Exchange(group)
     mine = images.window(me.start, me.end) if images is not None else None
     stream = AttnResStream([model.embed(ids, mine)])
+    if checkpoint_layers is None:
+        checkpoint_layers = bool(getattr(model, "gradient_checkpointing", False))
+    step = _checkpointed_layer_step if checkpoint_layers and torch.is_grad_enabled() else _layer_step
     routed, j = [], 0
     for layer in model.layers:
         rep = None
         if layer.is_moe and replay_experts is not None:
             rep = replay_experts[me.start:me.end, j]
         j += layer.is_moe
-        x = layer.attn_res.read_attn(stream, layer.attn_norm)
-        if layer.layer_type == "kda":
-            a = _mix(layer.mixer, _kda_mix, x, cu, shards, ex)
-        else:
-            a = _mix(layer.mixer, _mla_mix, x, shards, seq_lens, ex)
-        stream.add(a)
-        f, topk = layer.ffn_normed(layer.attn_res.read_ffn(stream, layer.ffn_norm), rep)
-        stream.add(f)
-        layer.attn_res.end_layer(stream)
+        topk = step(layer, stream, rep, cu, shards, seq_lens, ex)
         if layer.is_moe:
             routed.append(topk)
     h = ex.tie(model.final_read.read(stream, model.norm))

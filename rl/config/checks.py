@@ -139,13 +139,9 @@ def _context_parallel_problems(lr: LearnerSection) -> list[str]:
     if lr.sequence_chunk_tokens:
         out.append(
             "learner.sequence_chunk_tokens and learner.context_parallel > 1 do not combine yet (a rank runs "
-            "its shard unchunked); set one of them (sequence_chunk_tokens=0 or context_parallel=1)"
-        )
-    if lr.activation_checkpointing:
-        out.append(
-            "learner.activation_checkpointing is not applied inside a context-parallel shard (recomputing "
-            "the exchanges in the backward is not supported); set learner.activation_checkpointing=false "
-            "or learner.context_parallel=1"
+            "its shard unchunked, layer by layer: each layer's exchange needs every rank's whole shard); set "
+            "one of them (sequence_chunk_tokens=0 or context_parallel=1); with context parallelism, "
+            "learner.activation_checkpointing=true holds one layer's activations of the shard at a time"
         )
     if _critic(lr):
         out.append(

@@ -30,6 +30,33 @@ learner.activation_checkpointing): one layer's saved activations of a window (re
 the window's layer inputs (the AttnRes stream: every sublayer output [chunk, D]), what crosses windows (the
 MLA latents of the whole trajectory and their gradients, one KDA state set per window boundary), the K and V
 of one MLA layer decompressed over the whole prefix, and the LM head's logits block.
+
+`shard_bytes` is the learner's peak on rank r of a context-parallel group of R ranks (learner.context_parallel
+= R, model/context_parallel.py) for one trajectory cut into R contiguous shards of c = trajectory / R
+tokens. Context parallelism runs its shard unchunked and without activation checkpointing (the config refuses
+learner.sequence_chunk_tokens and learner.activation_checkpointing with it), so a rank saves every layer:
+
+    layers  = forward_bytes(config, c)                         (the fitted formula x c tokens x every layer)
+    summary = n_kda H [(4 + 20 K) c + ceil(c / C) 8 K^2]       (r < R-1: the KDA shard summary, a second
+              run of the recurrence from [I | 0] over K + V = 2K fp32 state columns (model/kda_compose.py):
+              fp32 q = 0, k, [0 | v], g, beta per token, the [K, 2K] fp32 state per C-token chunk; exact for
+              the CPU recurrent backend, measured)
+    mla     = n_mla P_r (2 Hm hd + R_kv) 2 B                   (r > 0: every MLA layer decompresses K and V
+              over the sequence's P_r = r c earlier tokens, and keeps them and their latents for the
+              backward: naive attention over the gathered latents)
+            + n_mla (R - 1) c R_kv 2 B                         (r = 0: the gathered latents of all shards stay
+              alive through its own shard's slice)
+    kda_exchange = n_kda 2 R H K K 4 B                         (r >= 2: the gathered fp32 summaries M, S_local
+              that compose its initial state)
+    conv    = n_kda [8 (c + 2 (W-1)) + 2 (W-1) 3HK 2 B]        (r > 0: the short conv of a continuing piece
+              runs over W-1 more rows, the earlier shards' inputs, through an int64 gather index)
+    backward = 2 (P_r + c) Hm hd 2 B                           (transient: one MLA layer's K, V gradients)
+    head     = the LM head's logits blocks, as for windows.
+
+The saved terms (all but backward and head) are checked against the bytes a real gloo context-parallel
+forward saves per rank (`rl.plan.saved.measure_context_parallel_saved_bytes`, tests/test_plan_context_
+parallel.py). The plan takes the largest rank. The mla term grows with r, not with 1/R: the last rank holds
+(R-1)/R of the trajectory's decompressed K and V for every MLA layer, whatever R.
 """
 
 from __future__ import annotations
@@ -128,5 +155,103 @@ def window_bytes(config: OdysseyConfig, trajectory: int, chunk: int, capacity: f
     return WindowBytes(round(layer), stream, carried, mla_prefix, head)
 
 
-__all__ = ["ACT_BYTES", "WindowBytes", "attn_res_sources", "forward_bytes", "layer_bytes_per_token",
+@dataclass
+class ShardBytes:
+    """The context-parallel learner's activation bytes on one rank (module docstring, `shard_bytes`)."""
+
+    layers: int  # every layer's saved activations of the c-token shard (the fitted formula)
+    summary: int  # the KDA shard summaries (fp32 recurrence over K + V columns), ranks that hand on a state
+    mla: int  # earlier shards' K, V and latents, every MLA layer (r = 0: the gathered latents)
+    kda_exchange: int  # the gathered fp32 summaries [R, H, K, K] x 2 per KDA layer (ranks >= 2)
+    conv: int  # the short conv's W-1 rows from the earlier shards and its gather index (ranks > 0)
+    stream: int  # checkpointed only: every layer's input [c, D] and the final read over them
+    backward: int  # transient: one MLA layer's K, V gradients over prefix + shard
+    head: int  # the LM head's live logits blocks (fp32)
+    checkpointed: bool = False  # the five terms above `stream` are then the largest single layer's
+
+    @property
+    def saved(self) -> int:
+        """What the rank holds after the forward (the measured part)."""
+        if self.checkpointed:
+            return self.stream
+        return self.layers + self.summary + self.mla + self.kda_exchange + self.conv
+
+    @property
+    def total(self) -> int:
+        return (self.layers + self.summary + self.mla + self.kda_exchange + self.conv + self.stream
+                + self.backward + self.head)
+
+    def to_dict(self) -> dict[str, int]:
+        d = {k: v for k, v in asdict(self).items() if k != "checkpointed"}
+        return {**d, "total": self.total}
+
+
+def final_read_bytes_per_token(config: OdysseyConfig) -> float:
+    """Saved bytes per token of the final AttnRes read + norm on a fresh stream (no inverse RMS cached from
+    the layers, as after checkpointed layers): 4 + 8.03 D + S (8 D + 16), S = its sources (the embedding and
+    the sealed blocks, plus the open one). Fitted to the measured read at D = 128, 256 and S = 2, 5, 9
+    (exact to 0.1 %)."""
+    c = config
+    L, B, D = c.num_hidden_layers, c.attn_res_block_size, c.hidden_size
+    S = 1 + L // B + (1 if L % B else 0)
+    return 4 + 8.03 * D + S * (8 * D + 16)
+
+
+def shard_bytes(config: OdysseyConfig, trajectory: int, ranks: int, rank: int, capacity: float = 1.0,
+                checkpointed: bool = False) -> ShardBytes:
+    """Activation bytes of `rank` of a `ranks`-rank context-parallel group for one `trajectory`-token sequence
+    (module docstring); shard r holds tokens [r L // R, (r + 1) L // R) as model/context_parallel.py cuts.
+    checkpointed: every layer under its activation checkpoint (learner.activation_checkpointing): the rank
+    holds the layer inputs (`stream`) and, in the backward, the largest layer's activations with that
+    layer's context-parallel terms (one layer at a time)."""
+    from rl.learner.forward import HEAD_CHUNK_ELEMENTS
+
+    if ranks < 1 or not 0 <= rank < ranks:
+        raise ValueError(f"rank {rank} is not one of {ranks} context-parallel ranks")
+    if trajectory < ranks:
+        raise ValueError(f"a {trajectory}-token trajectory cannot be cut into {ranks} non-empty shards")
+    c = config
+    start, end = rank * trajectory // ranks, (rank + 1) * trajectory // ranks
+    n = end - start
+    widest = max((r + 1) * trajectory // ranks - r * trajectory // ranks for r in range(min(ranks, 2)))
+    n_kda, n_mla = len(c.kda_layer_indices), len(c.mla_layer_indices)
+    H, K, C = c.kda_num_heads, c.kda_head_dim, c.kda_chunk_size
+    summary = n_kda * H * ((4 + 20 * K) * n + math.ceil(n / C) * 8 * K * K) if rank < ranks - 1 else 0
+    Hm, hd, R_kv = c.mla_num_heads, c.mla_head_dim, c.mla_kv_lora_rank
+    if rank > 0:
+        mla = n_mla * start * (2 * Hm * hd + R_kv) * ACT_BYTES
+    else:
+        mla = n_mla * (ranks - 1) * widest * R_kv * ACT_BYTES if ranks > 1 else 0
+    kda_exchange = n_kda * 2 * ranks * H * K * K * 4 if rank >= 2 else 0
+    W = c.kda_conv_size
+    conv = n_kda * (8 * (n + 2 * (W - 1)) + 2 * (W - 1) * 3 * H * K * ACT_BYTES) if rank > 0 else 0
+    backward = 2 * (start + n) * Hm * hd * ACT_BYTES if n_mla else 0
+    head = HEAD_LIVE_BLOCKS * HEAD_CHUNK_ELEMENTS * 4
+    if not checkpointed:
+        return ShardBytes(forward_bytes(c, n, capacity), summary, mla, kda_exchange, conv, 0, backward, head)
+    T = padded_tokens(c, n)
+    per = [sum(layer_bytes_per_token(c, l, capacity).values()) * T for l in range(c.num_hidden_layers)]
+    kda = max((per[l] for l in c.kda_layer_indices), default=0)
+    mla_l = max((per[l] for l in c.mla_layer_indices), default=0)
+    one_kda = (kda + (summary + kda_exchange + conv) / n_kda) if n_kda else 0
+    one_mla = (mla_l + mla / n_mla) if n_mla else 0
+    stream = c.num_hidden_layers * n * c.hidden_size * ACT_BYTES + final_read_bytes_per_token(c) * n
+    if one_kda >= one_mla:
+        return ShardBytes(round(kda), round(summary / n_kda), 0, round(kda_exchange / n_kda),
+                          round(conv / n_kda), round(stream), backward, head, checkpointed=True)
+    return ShardBytes(round(mla_l), 0, round(mla / n_mla), 0, 0, round(stream), backward, head,
+                      checkpointed=True)
+
+
+def context_parallel_bytes(config: OdysseyConfig, trajectory: int, ranks: int, capacity: float = 1.0,
+                           checkpointed: bool = False) -> ShardBytes:
+    """The largest rank's `shard_bytes` (by total) of a `ranks`-rank context-parallel group."""
+    cands = {0, 1, 2, ranks - 2, ranks - 1}  # the terms are monotone in r between these
+    return max((shard_bytes(config, trajectory, ranks, r, capacity, checkpointed) for r in sorted(cands)
+                if 0 <= r < ranks), key=lambda s: s.total)
+
+
+__all__ = ["ACT_BYTES", "ShardBytes", "WindowBytes", "context_parallel_bytes", "final_read_bytes_per_token",
+           "shard_bytes",
+           "attn_res_sources", "forward_bytes", "layer_bytes_per_token",
            "padded_tokens", "window_bytes"]

@@ -37,6 +37,30 @@ def _gb(b: float) -> str:
     return f"{b / 1e9:,.1f} GB" if b >= 1e9 else f"{b / 1e6:,.1f} MB"
 
 
+#: what each activation part is (rl/plan/activations.py: window_bytes for cp 1, shard_bytes for cp > 1)
+PART_HOW = {
+    "layer": "one layer of a window, recomputed in the backward",
+    "stream": "the checkpointed layer inputs (window or shard)",
+    "carried": "MLA latents (+ grads) and KDA states carried across windows",
+    "mla_prefix": "K, V of one MLA layer over the trajectory",
+    "head": "LM head logits blocks (fp32)",
+    "layers": "the largest layer of the shard, recomputed",
+    "summary": "its KDA shard summary (fp32, K + V state columns)",
+    "mla": "its K, V, latents of the earlier shards (MLA)",
+    "kda_exchange": "its gathered fp32 summaries of the cp ranks",
+    "conv": "its short-conv rows from the earlier shard",
+    "backward": "one MLA layer's K, V gradients (transient)",
+}
+
+
+def _layout(plan: Plan) -> str:
+    """How the learner runs a trajectory in this plan."""
+    cp, w = plan.learner.get("cp", 1), plan.workload
+    if cp == 1:
+        return f"windows of {w['chunk']:,}"
+    return f"context parallel {cp}: checkpointed shards of {w['context'] // cp:,}"
+
+
 def render(plan: Plan) -> None:
     """Print the plan as rich tables."""
     from rich.console import Console
@@ -46,7 +70,7 @@ def render(plan: Plan) -> None:
     m, w, c, lr, ro, st = plan.model, plan.workload, plan.cluster, plan.learner, plan.rollout, plan.step
     console.print(f"[bold]odyssey plan[/bold]: {m['name']} ({_human(m['total_params'])} total, "
                   f"{_human(m['active_params'])} active); {w['episodes']} episodes x "
-                  f"{w['context']:,} tokens (groups of {w['group_size']}), windows of {w['chunk']:,}; "
+                  f"{w['context']:,} tokens (groups of {w['group_size']}), {_layout(plan)}; "
                   f"GPU {c['gpu_memory_gb']:g} GB "
                   f"({_gb(c['usable_bytes'])} usable), {c['peak_tflops']:g} TFLOP/s at MFU {c['mfu']:g}")
     t = Table(title=f"learner: {lr['ranks']} ranks (FSDP over all, EP {lr['ep']}, context parallel "
@@ -59,7 +83,8 @@ def render(plan: Plan) -> None:
             ("AdamW state", lr["optimizer"], "8 B x local shard + 4 B step / tensor"),
             ("all-gather + grad buffers", lr["gather"],
              f"largest unit {_human(lr['largest_unit_params'])} params x (2 x 2 B + 4 B)")]
-    rows += [(f"activations: {k}", v, "") for k, v in lr["activation_parts"].items() if k != "total"]
+    rows += [(f"activations: {k}", v, PART_HOW.get(k, "")) for k, v in lr["activation_parts"].items()
+             if k != "total"]
     for name, b, how in rows:
         t.add_row(name, _gb(b), how)
     t.add_row("TOTAL", _gb(lr["total"]), f"of {_gb(c['usable_bytes'])}", style="bold")

@@ -7,10 +7,22 @@ Learner (per rank, rl/plan/state.py and rl/plan/activations.py):
 
     total(W) = params(W) + grads(W) + optimizer(W)     (exact FSDP2 shards of the meta model, 16 B/param / W)
              + gather                                  (two all-gathered units + one unsharded gradient)
-             + activations                             (window_bytes: one trajectory in windows of `chunk`)
-    minimum W: the smallest multiple of ep (ep | n_routed_experts) with total(W) <= usable GPU memory,
-    usable = gpu_memory * (1 - reserve). ep defaults to W itself (every rank an expert-parallel rank, the
-    experts never all-gathered) when that divides the experts, else the largest divisor of the experts <= W.
+             + activations                             (the layouts the learner runs, below)
+    minimum W: the smallest multiple of ep (ep | n_routed_experts) and cp with total(W) <= usable GPU
+    memory, usable = gpu_memory * (1 - reserve), over cp = 1, 2, 4, ... (`CP_DEGREES`, or the given one).
+    ep defaults to W itself (every rank an expert-parallel rank, the experts never all-gathered) when that
+    divides the experts, else the largest divisor of the experts <= W.
+
+    activations, only layouts the config accepts (rl/config/checks.py):
+      cp = 1   window_bytes: one trajectory in windows of `chunk` tokens, every layer checkpointed
+               (learner.sequence_chunk_tokens + learner.activation_checkpointing);
+      cp > 1   context_parallel_bytes: the largest rank of a cp group holding one trajectory cut into cp
+               shards, each run unchunked, layer-major, every layer checkpointed (learner.context_parallel +
+               learner.activation_checkpointing: the rank holds every layer's input [L / cp, D] and
+               recomputes one layer at a time, its exchanges included; sequence chunking inside a shard is
+               refused).
+    When no layout fits, the plan refuses and names what it would need (`no_fit_message`), with the longest
+    trajectory that today's layouts fit.
 
 Rollout (vLLM on GPUs; per engine of G GPUs):
 
@@ -31,25 +43,27 @@ Step time at `mfu` of `peak_tflops` per GPU (compute only, communication reporte
     and PV) per MLA layer; KDA 2 * 2 * H * K * K (state update and readout) + 2 * 2 * H * K * chunk / 2
     (intra-chunk) per KDA layer;
     learner time = FLOPs / (W * peak * mfu); rollout prefill FLOPs = 2 * active * tokens + forward attention.
-    communication per learner step and rank (link_gb_s, one direction): each window all-gathers every unit
-    three times (forward, recomputed forward, backward: 2 B / param, what this rank receives) and
-    reduce-scatters its gradient once (4 B / param), plus the MoE all-to-all (tokens x k latent rows, out and
-    back, forward, recompute and backward) under EP.
+    communication per learner step and rank (link_gb_s, one direction): each window (cp = 1) all-gathers every
+    unit three times (forward, recomputed forward, backward: 2 B / param, what this rank receives), each
+    checkpointed shard (cp > 1) three times too, and reduces-scatters its gradient once (4 B / param),
+    plus the MoE all-to-all (tokens x k latent rows, out and back, per forward pass and backward) under EP.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from model.cache import cache_bytes
 from model.config import OdysseyConfig
 from model.count import count_parameters
-from rl.plan.activations import ACT_BYTES, window_bytes
+from rl.plan.activations import ACT_BYTES, context_parallel_bytes, window_bytes
 from rl.plan.state import Shapes, meta_policy, model_shapes, rank_state
 
 GB = 1e9
+CP_DEGREES = [2 ** i for i in range(17)]  # context-parallel degrees the search tries (1 .. 65536)
+LIMIT = 1 << 16  # the largest learner the search tries
 
 
 @dataclass
@@ -123,28 +137,40 @@ def default_ep(config: OdysseyConfig, ranks: int) -> int:
 def learner_rank(config: OdysseyConfig, w: Workload, ranks: int, ep: int | None, model: Shapes,
                  param_bytes: int = 2, cp: int = 1) -> dict[str, Any]:
     """One rank of a W-rank learner: state (exact shards), transient gather, activations; bytes. cp:
-    context parallelism (learner.context_parallel): each trajectory split into cp contiguous shards, one per
-    rank, so a rank's activations are those of a context / cp trajectory (the MLA prefix K/V passed around
-    the cp ranks one shard at a time)."""
-    if ranks % cp:
-        raise ValueError(f"context parallelism cp={cp} must divide the learner ranks ({ranks})")
+    context parallelism (learner.context_parallel): cp = 1 runs each trajectory in windows of w.chunk with
+    every layer checkpointed (`window_bytes`); cp > 1 cuts it into cp contiguous shards, one per rank, each
+    run unchunked with every layer checkpointed (`context_parallel_bytes`, its largest rank): the layouts
+    the learner runs (module docstring)."""
+    if cp < 1 or ranks % cp:
+        raise ValueError(f"context parallelism cp={cp} must be >= 1 and divide the learner ranks ({ranks})")
+    if cp > w.context:
+        raise ValueError(f"context parallelism cp={cp} cuts a {w.context}-token trajectory into empty shards")
     ep = default_ep(config, ranks) if ep is None else ep
-    s = rank_state(config, ranks, ep, param_bytes=param_bytes, shapes=model)
-    act = window_bytes(config, math.ceil(w.context / cp), w.chunk, w.capacity)
+    key = ("state", ranks, ep, param_bytes)  # memoised on the Shapes (the searches revisit layouts)
+    if key not in model.memo:
+        model.memo[key] = rank_state(config, ranks, ep, param_bytes=param_bytes, shapes=model)
+    s = model.memo[key]
+    key = ("activations", w.context, w.chunk, w.capacity, cp)
+    if key not in model.memo:
+        model.memo[key] = (window_bytes(config, w.context, w.chunk, w.capacity) if cp == 1
+                           else context_parallel_bytes(config, w.context, cp, w.capacity, checkpointed=True))
+    act = model.memo[key]
     total = s.at_rest + s.gather + act.total
     return {"ranks": ranks, "ep": ep, "cp": cp, "params": s.params, "grads": s.grads,
             "optimizer": s.optimizer,
             "gather": s.gather, "activations": act.total, "activation_parts": act.to_dict(), "total": total,
-            "largest_unit_params": s.largest_unit}
+            "largest_unit_params": s.largest_unit,
+            "layout": "windows" if cp == 1 else "checkpointed context-parallel shards"}
 
 
 def min_learner_ranks(config: OdysseyConfig, w: Workload, cluster: Cluster, model: Shapes,
-                      ep: int | None = None, cp: int | None = None, limit: int = 1 << 16
+                      ep: int | None = None, cp: int | None = None, limit: int = LIMIT
                       ) -> dict[str, Any] | None:
     """The smallest W (module docstring) whose largest rank fits `cluster.usable`, over context-parallel
-    degrees cp = 1, 2, 4, ... 64 (or the given one); None if none fits up to `limit` ranks."""
+    degrees `CP_DEGREES` up to `limit` and the trajectory length (or the given one); None if none fits up to
+    `limit` ranks."""
     best = None
-    for c in [cp] if cp else [2 ** i for i in range(7)]:
+    for c in [cp] if cp else [d for d in CP_DEGREES if d <= min(limit, w.context)]:
         r = _min_ranks(config, w, cluster, model, ep, c, limit)
         if r is not None and (best is None or r["ranks"] < best["ranks"]):
             best = r
@@ -154,6 +180,9 @@ def min_learner_ranks(config: OdysseyConfig, w: Workload, cluster: Cluster, mode
 def _min_ranks(config: OdysseyConfig, w: Workload, cluster: Cluster, model: Shapes, ep: int | None, cp: int,
                limit: int) -> dict[str, Any] | None:
     usable = cluster.usable
+    if learner_rank(config, w, cp, ep if ep is not None and cp % ep == 0 else 1, model, cp=cp
+                    )["activations"] > usable:
+        return None  # the activations of this layout do not shrink with W
     W = cp
     best = None
     while W <= limit:  # total(W) falls as 1/W: double, then scan the last interval
@@ -166,7 +195,11 @@ def _min_ranks(config: OdysseyConfig, w: Workload, cluster: Cluster, model: Shap
     if best is None:
         return None
     step = math.lcm(ep or 1, cp)
-    for cand in range(max(W // 2, step), W, step):  # the first fitting W in (W/2, W]
+    # the first fitting W in (W/2, W], or below it a multiple of the expert count (ep = every expert its own
+    # rank can fit where a power of two, sharing experts, does not)
+    whole = math.lcm(step, config.n_routed_experts or 1)
+    cands = sorted(set(range(max(W // 2, step), W, step)) | set(range(whole, W, whole)))
+    for cand in cands:
         r = learner_rank(config, w, cand, ep, model, cp=cp)
         if r["total"] <= usable:
             return r
@@ -229,13 +262,15 @@ def step_time(config: OdysseyConfig, w: Workload, cluster: Cluster, learner: dic
     rate = cluster.peak_tflops * 1e12 * cluster.mfu
     cp = learner.get("cp", 1)
     shard = math.ceil(w.context / cp)
-    windows = math.ceil(w.episodes * cp / W) * math.ceil(shard / min(w.chunk, shard))
+    # cp = 1: windows of `chunk`; cp > 1: one shard; each layer recomputed in the backward (3 passes)
+    windows = math.ceil(w.episodes * cp / W) * (math.ceil(shard / min(w.chunk, shard)) if cp == 1 else 1)
+    passes = 3
     # what one rank receives per window: non-experts gathered over W, its experts over W / ep
     gathered = (total_params - expert_params) * (W - 1) / W + (expert_params / ep) * (W // ep - 1) / (W // ep)
-    fsdp_bytes = windows * (3 * 2 * gathered + 4 * gathered)
+    fsdp_bytes = windows * (passes * 2 * gathered + 4 * gathered)
     moe_layers = len(config.moe_layer_indices)
     a2a_rows = math.ceil(w.episodes * cp / W) * shard * config.num_experts_per_tok * moe_layers
-    a2a_bytes = 3 * 2 * a2a_rows * config.moe_latent_dim * ACT_BYTES * (ep - 1) / ep if ep > 1 else 0
+    a2a_bytes = passes * 2 * a2a_rows * config.moe_latent_dim * ACT_BYTES * (ep - 1) / ep if ep > 1 else 0
     link = cluster.link_gb_s * GB
     return {"tokens": tokens, "train_flops": train, "rollout_prefill_flops": prefill,
             "learner_s": train / (W * rate), "fsdp_bytes_per_rank": fsdp_bytes,
@@ -262,16 +297,7 @@ def make_plan(config: OdysseyConfig, w: Workload, cluster: Cluster, ranks: int |
     else:
         learner = min_learner_ranks(config, w, cluster, model, ep, cp)
         if learner is None:
-            n = max(config.n_routed_experts, 1)
-            floor = learner_rank(config, w, 64 * n, n if config.n_routed_experts else 1, model, cp=64)
-            state = (floor["params"] + floor["grads"] + floor["optimizer"]) / GB
-            raise ValueError(
-                f"no learner size up to 65536 ranks (context parallelism up to 64) fits this GPU's "
-                f"{cluster.usable / GB:.1f} usable GB: FSDP2 shards dim 0, so a rank never holds less than "
-                f"one whole expert per MoE layer; at {64 * n} ranks (ep {n}, cp 64) a rank still needs "
-                f"{floor['total'] / GB:.1f} GB (state {state:.1f}, gather {floor['gather'] / GB:.1f}, "
-                f"activations {floor['activations'] / GB:.1f}); lower --chunk or --context, or use GPUs with "
-                "more memory")
+            raise ValueError(no_fit_message(config, w, cluster, model, ep, cp))
         learner["fits"] = True
     plan.learner = learner
     plan.rollout = min_rollout(config, w, cluster, model) or {"fits": False}
@@ -285,5 +311,77 @@ def make_plan(config: OdysseyConfig, w: Workload, cluster: Cluster, ranks: int |
     return plan
 
 
-__all__ = ["GPUS", "Cluster", "Plan", "Workload", "attention_flops_per_token", "attention_tp", "default_ep",
+def _floor(config: OdysseyConfig, w: Workload, model: Shapes, ep: int | None, cp: int) -> dict[str, Any]:
+    """The learner rank at `LIMIT` ranks and context parallelism cp (ep: the given one, else every expert its
+    own rank where that divides LIMIT)."""
+    n = config.n_routed_experts
+    return learner_rank(config, w, LIMIT, ep if ep is not None else (n if n and LIMIT % n == 0 else None),
+                        model, cp=cp)
+
+
+def longest_context(config: OdysseyConfig, w: Workload, cluster: Cluster, model: Shapes,
+                    ep: int | None = None, cp: int | None = None) -> dict[str, Any] | None:
+    """The longest trajectory (a multiple of 1024 tokens, shorter than w.context) that some layout fits
+    (`min_learner_ranks`), {"context", "learner"}; None if not even 1024 tokens fit."""
+    lo, hi, best = 0, (w.context - 1) // 1024, None  # in units of 1024 tokens; lo fits (or is 0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        r = min_learner_ranks(config, replace(w, context=mid * 1024), cluster, model, ep, cp)
+        if r is not None:
+            lo, best = mid, r
+        else:
+            hi = mid - 1
+    return None if best is None else {"context": lo * 1024, "learner": best}
+
+
+def no_fit_message(config: OdysseyConfig, w: Workload, cluster: Cluster, model: Shapes, ep: int | None = None,
+                   cp: int | None = None) -> str:
+    """Why no layout the learner runs fits (module docstring): a rank at `LIMIT` ranks without and with
+    context parallelism, what is not built, and the longest trajectory that fits today."""
+    usable = cluster.usable / GB
+
+    def part(r: dict[str, Any]) -> str:
+        state = (r["params"] + r["grads"] + r["optimizer"]) / GB
+        return (f"{r['total'] / GB:,.1f} GB (state {state:.1f}, gather {r['gather'] / GB:.1f}, activations "
+                f"{r['activations'] / GB:,.1f})")
+
+    cps = [cp] if cp else [d for d in CP_DEGREES if d <= min(LIMIT, w.context)]
+    rows = {c: _floor(config, w, model, ep, c) for c in cps}
+    lines = [f"no learner layout up to {LIMIT} ranks fits this GPU's {usable:.1f} usable GB with "
+             f"{w.context:,}-token trajectories."]
+    if 1 in rows:
+        lines.append(f"Without context parallelism (windows of {w.chunk}, every layer checkpointed) a rank "
+                     f"at {LIMIT} ranks needs {part(rows[1])}.")
+    multi = {c: r for c, r in rows.items() if c > 1}
+    if multi:
+        c, r = min(multi.items(), key=lambda kv: kv[1]["total"])
+        a = r["activation_parts"]
+        lines.append(
+            f"With context parallelism (best cp {c}, every layer checkpointed) it needs {part(r)}: the "
+            f"layer inputs of the shard ({a['stream'] / GB:,.1f} GB), the largest layer recomputed "
+            f"({(a['layers'] + a['summary'] + a['mla'] + a['kda_exchange'] + a['conv']) / GB:,.1f} GB, of "
+            f"which {a['mla'] / GB:,.1f} GB are one MLA layer's decompressed K, V and latents of the "
+            f"earlier shards) and their K, V gradients ({a['backward'] / GB:,.1f} GB): the last rank "
+            "attends over (cp-1)/cp of the trajectory, whatever cp.")
+    s = next(iter(rows.values()))
+    floor = (s["params"] + s["grads"] + s["optimizer"] + s["gather"]) / GB
+    lines.append(f"The model state and all-gather alone take {floor:.1f} GB of it"
+                 + (" (FSDP2 shards dim 0: a rank never holds less than one whole expert per MoE layer)."
+                    if config.n_routed_experts else "."))
+    lines.append("Not built: MLA attention over the earlier shards' latents that does not decompress "
+                 "their K and V (absorbed attention over the latent, or K/V blocks recomputed in the "
+                 "backward), and zig-zag shards that spread the prefix over the ranks.")
+    best = longest_context(config, w, cluster, model, ep, cp)
+    if best is None:
+        lines.append("No trajectory of 1,024 tokens or more fits either.")
+    else:
+        b = best["learner"]
+        lines.append(f"The longest trajectory today's layouts fit: {best['context']:,} tokens ({b['ranks']} "
+                     f"ranks, ep {b['ep']}, cp {b['cp']}, {b['layout']}); plan it with --context "
+                     f"{best['context']}.")
+    return " ".join(lines)
+
+
+__all__ = ["CP_DEGREES", "GPUS", "LIMIT", "Cluster", "Plan", "Workload", "longest_context",
+           "no_fit_message", "attention_flops_per_token", "attention_tp", "default_ep",
            "learner_rank", "make_plan", "min_learner_ranks", "min_rollout", "rollout_engine", "step_time"]

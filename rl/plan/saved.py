@@ -14,6 +14,11 @@ The routing is forced to a perfectly balanced replay (token t picks experts (t*k
 expert receives exactly T*k/n tokens when n divides T*k: the expert buffers then have their balanced size,
 which the analytic model (rl/plan/activations.py) predicts with a capacity factor of 1.
 
+`measure_context_parallel_saved_bytes` does the same for one rank of a context-parallel forward
+(model/context_parallel.py, learner.context_parallel = R): the bytes autograd holds on that rank after
+`context_parallel_forward` of its shard, the oracle of `rl.plan.activations.shard_bytes` (run it on R real
+processes, e.g. gloo: tests/test_plan_context_parallel.py).
+
 This runs the real model on CPU and allocates its weights: use it on tiny / small shapes (the oracle of
 rl/plan/activations.py), never on k3.
 """
@@ -109,4 +114,54 @@ def measure_saved_bytes(config: OdysseyConfig, tokens: int, dtype: torch.dtype =
     return out
 
 
-__all__ = ["SavedBytes", "balanced_replay", "measure_saved_bytes"]
+def measure_context_parallel_saved_bytes(config: OdysseyConfig, seq_lens: list[int], group,
+                                         dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                                         checkpoint_layers: bool = False) -> int:
+    """Bytes autograd holds on this rank of `group` (R ranks, collective: every rank calls it with the same
+    arguments) after `context_parallel_forward` of its shard of the packed sequences `seq_lens` through the
+    trunk of a random `config` model in `dtype` (same seed on every rank, so the same weights), balanced
+    routing replayed. Counted as `measure_saved_bytes` counts: each storage once, parameters skipped.
+    checkpoint_layers: each layer under its activation checkpoint; the rank then holds, until the backward,
+    what autograd saves outside the checkpoints plus the tensors each checkpoint keeps to recompute its
+    layer (its inputs: the AttnRes sources and the exchange chain's end), counted the same way."""
+    import model.context_parallel as cp_module
+    from model.context_parallel import context_parallel_forward
+    from model.modeling import OdysseyForCausalLM
+
+    torch.manual_seed(seed)
+    model = OdysseyForCausalLM(config).to(dtype).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    held: list[torch.Tensor] = []  # keeps every saved tensor alive (no freed address reused and missed)
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        st = t.untyped_storage()
+        held.append(t)
+        if st.data_ptr() not in params and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+        return t
+
+    def keep_inputs(fn, *args, **kwargs):  # the checkpoint as the layer calls it, its inputs counted
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                pack(a)
+        return checkpoint(fn, *args, **kwargs)
+
+    checkpoint = cp_module.checkpoint
+    tokens = sum(seq_lens)
+    ids = torch.randint(0, config.vocab_size, (tokens,))
+    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cp_module.checkpoint = keep_inputs
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            context_parallel_forward(model.model, ids, cu, balanced_replay(config, tokens), group,
+                                     checkpoint_layers=checkpoint_layers)
+    finally:
+        cp_module.checkpoint = checkpoint
+    return total
+
+
+__all__ = ["SavedBytes", "balanced_replay", "measure_context_parallel_saved_bytes", "measure_saved_bytes"]

@@ -29,7 +29,7 @@ holds one unit's unsharded gradient in the reduce dtype (fp32) before the reduce
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -88,10 +88,12 @@ def _is_expert(name: str) -> bool:
 @dataclass
 class Shapes:
     """What rank_state needs of a model: per trainable parameter (is a routed-expert tensor, dim-0 rows, numel
-    per row), and per FSDP unit (the root last) its parameters' (is expert, numel)."""
+    per row), and per FSDP unit (the root last) its parameters' (is expert, numel). memo: results the plan's
+    searches computed for this model (rl/plan/plan.py learner_rank), keyed by their arguments."""
 
     params: list[tuple[bool, int, int]]
     units: list[list[tuple[bool, int]]]
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def model_shapes(model: torch.nn.Module) -> Shapes:
