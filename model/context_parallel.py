@@ -22,7 +22,10 @@ be handed on serially. Per layer:
                  for each other's recurrence.
     MLA   every rank all-gathers the compressed latents c [L_r, R] of its shard; a continuing first piece
           attends over its sequence's latents on the earlier ranks, then its own (causal offset = their
-          count; naive form, K and V decompressed from the latents).
+          count), in blocks of `PREFIX_BLOCK` latent rows, each decompressed to K, V on the fly and merged
+          by the online softmax; the backward recomputes one block at a time (model/mla.py
+          `blocked_latent_attention`, oracle the naive form: tests/test_mla_blocked_prefix.py). So no rank
+          ever holds the whole prefix's K, V [P, H, dk + dv] (at k3 and 1M tokens ~35 GB per MLA layer).
     AttnRes, norms, FFN / MoE (replayed experts sliced to the shard), the LM head: per token, nothing to
           exchange.
 
@@ -82,6 +85,7 @@ from torch.utils.checkpoint import checkpoint
 from model.attn_res import AttnResStream
 from model.kda import kda_sequence
 from model.kda_compose import shard_summary
+from model.mla import PREFIX_BLOCK  # tests rebind it here (a few hundred rows: several blocks)
 from model.sequence_chunks import Window, plan_cuts
 
 
@@ -256,7 +260,7 @@ def _mla_mix(mixer, x: torch.Tensor, shards: list[Window], seq_lens: list[int], 
         earlier = [latents[j][max(first - s.start, 0):] for j, s in enumerate(shards[:rank]) if s.end > first]
         n0 = me.lens[0]
         keys = torch.cat([*earlier, own[:n0]])
-        o = mixer.attend_naive(q[:n0], keys, keys.shape[0] - n0)
+        o = mixer.attend_blocked(q[:n0], keys, keys.shape[0] - n0, PREFIX_BLOCK)
         if len(me.lens) > 1:
             o = torch.cat([o, mixer.attend_fresh(q[n0:], own[n0:], list(me.lens[1:]), False)])
     return ex.tie(mixer.gated_output(x, o.reshape(T, -1)))

@@ -10,11 +10,14 @@ x [T, D] packed (cu_seqlens [N+1]), H heads of width Dh, latent width R (kv_lora
 
 No positional encoding at all (NoPE): order comes from the causal mask and the KDA layers.
 
-Two equal ways to compute o (tests/test_mla.py checks they agree):
+Equal ways to compute o (tests/test_mla.py checks the first two agree):
 - naive: decompress k, v from the latent, then standard multi-head attention (used for training/prefill);
 - absorbed: fold W_uk into the query and W_uv into the output, i.e. MQA with one shared K = V = c head:
       q~_h = W_uk,h^T q_h  [R],   o~_h = softmax(q~_h . c_j / sqrt(Dh)) c_j  [R],   o_h = W_uv,h o~_h
-  which never materialises per-head K/V (used when attending to a cached latent, i.e. decoding).
+  which never materialises per-head K/V (used when attending to a cached latent, i.e. decoding);
+- blocked: the naive form over `PREFIX_BLOCK` latent rows at a time, merged by the online softmax, the
+  backward recomputing one block at a time (`blocked_latent_attention`, context parallelism's attention over
+  the earlier shards' latents; oracle the naive form: tests/test_mla_blocked_prefix.py).
 
 Kernels: every attention call is a 4-D `scaled_dot_product_attention` [B, H, t, d], which on CPU takes the
 flash kernel forward and backward (3-D inputs fall back to the math kernel, which builds the [t, L] score
@@ -168,6 +171,196 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: 
         return _FlashPrefixAttention.apply(qh, kh, vh, prefix, scale)[0].transpose(0, 1)
     chunk = max(1, min(t, score_budget // max(1, H * L)))
     return _ChunkedPrefixAttention.apply(qh, kh, vh, prefix, scale, chunk)[0].transpose(0, 1)
+
+
+PREFIX_BLOCK = 4096  # latent rows decompressed at a time by `blocked_latent_attention`
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, qs: int, ks: int, prefix: int, scale: float
+                  ) -> torch.Tensor:
+    """Scores of queries qs.. (q [C, H, dk], absolute positions prefix + qs + i) over keys ks.. (k [B, H, dk])
+    -> [H, C, B] fp32, -inf where the key is in the query's future (key ks + j > prefix + qs + i)."""
+    s = torch.einsum("chd,bhd->hcb", q.float(), k.float()) * scale
+    C, B = q.shape[0], k.shape[0]
+    if ks + B - 1 > prefix + qs:  # some key of the block is after some query of the chunk
+        kpos = ks + torch.arange(B, device=q.device)
+        qpos = prefix + qs + torch.arange(C, device=q.device)
+        future = kpos[None, :] > qpos[:, None]  # [C, B]
+        s = s.masked_fill(future, float("-inf"))
+    return s
+
+
+def _block_segments(ks: int, ke: int, prefix: int, t: int, flash: bool) -> list[tuple[int, int, str]]:
+    """How query rows [lo, hi) meet key block [ks, ke) (query i sees key j iff j <= prefix + i; rows before
+    the first returned see none of the block): "tiles" (fp32 masked tiles), or, with the CPU flash kernel,
+    "full" (every row sees the whole block: no mask) and "causal" (a block of the queries' own keys,
+    ks - prefix = lo: row lo + i sees keys ks .. ks + i, flash's aligned is_causal)."""
+    p0, f = min(max(ks - prefix, 0), t), min(max(ke - 1 - prefix, 0), t)  # [p0, f): the diagonal
+    if not flash:
+        return [(p0, t, "tiles")]
+    if ks >= prefix:  # then p0 = ks - prefix and ke <= prefix + t
+        segs = [(p0, ke - prefix, "causal")]
+        return segs + [(ke - prefix, t, "full")] if ke - prefix < t else segs
+    segs = [(p0, f, "tiles")] if p0 < f else []
+    return segs + [(f, t, "full")] if f < t else segs
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[n, H, d] -> [1, H, n, d], the layout of the CPU flash kernels."""
+    return x.transpose(0, 1)[None]
+
+
+def _tiles_forward(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, lo: int, hi: int, ks: int,
+                   prefix: int, scale: float, chunk: int, m: torch.Tensor, den: torch.Tensor,
+                   acc: torch.Tensor) -> None:
+    """Merge key block kb, vb [B, H, d] (keys ks..) into the accumulators of query rows [lo, hi) in fp32
+    masked tiles of `chunk` rows (online softmax; m, den [t, H], acc [t, H, dv], updated in place)."""
+    for qs in range(lo, hi, chunk):
+        qe = min(hi, qs + chunk)
+        s = _block_scores(q[qs:qe], kb, qs, ks, prefix, scale)  # [H, C, B]
+        m_old = m[qs:qe].T  # [H, C]
+        m_new = torch.maximum(m_old, s.amax(-1))  # finite: key 0 is visible to every query, block 0 first
+        p = torch.exp(s - m_new[..., None])
+        alpha = torch.exp(m_old - m_new)
+        den[qs:qe] = (den[qs:qe].T * alpha + p.sum(-1)).T
+        acc[qs:qe] = (acc[qs:qe].permute(1, 0, 2) * alpha[..., None]
+                      + torch.einsum("hcb,bhd->hcd", p, vb.float())).permute(1, 0, 2)
+        m[qs:qe] = m_new.T
+
+
+def _tiles_backward(q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, lo: int, hi: int, ks: int,
+                    prefix: int, scale: float, chunk: int, g: torch.Tensor, lse: torch.Tensor,
+                    D: torch.Tensor, dq: torch.Tensor, dkb: torch.Tensor, dvb: torch.Tensor) -> None:
+    """The flash backward of query rows [lo, hi) over key block kf, vf [B, H, d] (fp32) in masked tiles:
+    adds to dq [t, H, dk] and the block's dkb, dvb (fp32, in place). g: dO [t, H, dv] fp32, lse, D [t, H]."""
+    for qs in range(lo, hi, chunk):
+        qe = min(hi, qs + chunk)
+        p = torch.exp(_block_scores(q[qs:qe], kf, qs, ks, prefix, scale) - lse[qs:qe].T[..., None])
+        gc = g[qs:qe]  # [C, H, dv]
+        dvb += torch.einsum("hcb,chd->bhd", p, gc)
+        ds = p * (torch.einsum("chd,bhd->hcb", gc, vf) - D[qs:qe].T[..., None])
+        dq[qs:qe] += scale * torch.einsum("hcb,bhd->chd", ds, kf)
+        dkb += scale * torch.einsum("hcb,chd->bhd", ds, q[qs:qe].float())
+
+
+class _BlockedLatentAttention(torch.autograd.Function):
+    """`blocked_latent_attention` with autograd: the forward keeps per-query accumulators only; the backward
+    recomputes each block's K, V from its latent rows and each (query chunk, block) score tile from the saved
+    output o and log-sum-exp (flash attention's backward):
+
+        P = exp(s - lse),  D_i = dO_i . o_i,  dS = P * (dO V^T - D),  dQ += scale dS K,  dK = scale dS^T Q,
+        dV = P^T dO,   dc_b = dK_b W_uk + dV_b W_uv,   dW_uk += dK_b^T c_b,   dW_uv += dV_b^T c_b.
+
+    On CPU the query rows that see a whole block, and a block of the queries' own keys (aligned causal), run
+    as one flash call each (`_block_segments`; (o_b, lse_b) merged into the accumulators; backward: flash's
+    backward given the MERGED o and lse, exact as in `_FlashPrefixAttention`); the rest, and every row off
+    CPU, as fp32 masked tiles [H, C, B]. Saved: q, c, the two decompression weights, o, lse; no decompressed
+    K or V."""
+
+    @staticmethod
+    def forward(ctx, q, c, w_uk, w_uv, prefix: int, scale: float, block: int, chunk: int):
+        t, H, dk = q.shape
+        dv = w_uv.shape[0] // H
+        acc = q.new_zeros(t, H, dv, dtype=torch.float32)
+        m = q.new_full((t, H), float("-inf"), dtype=torch.float32)
+        den = q.new_zeros(t, H, dtype=torch.float32)
+        for ks in range(0, c.shape[0], block):
+            cb = c[ks:ks + block]
+            kb, vb = (cb @ w_uk.T).view(-1, H, dk), (cb @ w_uv.T).view(-1, H, dv)
+            flash = _use_flash_prefix(q, kb, vb)
+            for lo, hi, kind in _block_segments(ks, ks + cb.shape[0], prefix, t, flash):
+                if kind == "tiles":
+                    _tiles_forward(q, kb, vb, lo, hi, ks, prefix, scale, chunk, m, den, acc)
+                    continue
+                o_b, lse_b = _FLASH_CPU(_heads_first(q[lo:hi]), _heads_first(kb), _heads_first(vb), 0.0,
+                                        kind == "causal", scale=scale)
+                lse_b = lse_b[0].T.float()  # [rows, H]
+                m_new = torch.maximum(m[lo:hi], lse_b)
+                alpha, beta = torch.exp(m[lo:hi] - m_new), torch.exp(lse_b - m_new)
+                den[lo:hi] = den[lo:hi] * alpha + beta
+                acc[lo:hi] = acc[lo:hi] * alpha[..., None] + o_b[0].transpose(0, 1).float() * beta[..., None]
+                m[lo:hi] = m_new
+        o = (acc / den[..., None]).to(q.dtype)  # saved as returned: the gated output keeps it anyway
+        lse = m + torch.log(den)
+        ctx.save_for_backward(q, c, w_uk, w_uv, o, lse)
+        ctx.prefix, ctx.scale, ctx.block, ctx.chunk = prefix, scale, block, chunk
+        return o
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, c, w_uk, w_uv, o, lse = ctx.saved_tensors
+        prefix, scale, block, chunk = ctx.prefix, ctx.scale, ctx.block, ctx.chunk
+        t, H, dk = q.shape
+        dv = w_uv.shape[0] // H
+        grad = grad.contiguous()
+        g = grad.float()
+        D = (g * o.float()).sum(-1)  # [t, H]
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dc = torch.zeros_like(c, dtype=torch.float32)
+        dw_uk = torch.zeros_like(w_uk, dtype=torch.float32)
+        dw_uv = torch.zeros_like(w_uv, dtype=torch.float32)
+        for ks in range(0, c.shape[0], block):
+            cb = c[ks:ks + block]
+            kb, vb = (cb @ w_uk.T).view(-1, H, dk), (cb @ w_uv.T).view(-1, H, dv)
+            kf, vf = kb.float(), vb.float()
+            dkb, dvb = torch.zeros_like(kf), torch.zeros_like(vf)
+            flash = _use_flash_prefix(q, kb, vb, grad)
+            for lo, hi, kind in _block_segments(ks, ks + cb.shape[0], prefix, t, flash):
+                if kind == "tiles":
+                    _tiles_backward(q, kf, vf, lo, hi, ks, prefix, scale, chunk, g, lse, D, dq, dkb, dvb)
+                    continue
+                gq, gk, gv = _FLASH_CPU_BACKWARD(
+                    _heads_first(grad[lo:hi]).contiguous(), _heads_first(q[lo:hi]), _heads_first(kb),
+                    _heads_first(vb), _heads_first(o[lo:hi]), lse[lo:hi].T[None].contiguous(), 0.0,
+                    kind == "causal", scale=scale)
+                dq[lo:hi] += gq[0].transpose(0, 1).float()
+                dkb += gk[0].transpose(0, 1).float()
+                dvb += gv[0].transpose(0, 1).float()
+            dkf, dvf, cf = dkb.reshape(-1, H * dk), dvb.reshape(-1, H * dv), cb.float()
+            dc[ks:ks + block] = dkf @ w_uk.float() + dvf @ w_uv.float()
+            dw_uk += dkf.T @ cf
+            dw_uv += dvf.T @ cf
+        return (dq.to(q.dtype), dc.to(c.dtype), dw_uk.to(w_uk.dtype), dw_uv.to(w_uv.dtype),
+                None, None, None, None)
+
+
+def blocked_latent_attention(q: torch.Tensor, c: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                             prefix: int, scale: float, block: int = PREFIX_BLOCK,
+                             score_budget: int = _SCORE_BUDGET) -> torch.Tensor:
+    """Causal MLA of t queries over L = prefix + t latents of ONE sequence, never decompressing more than
+    `block` latent rows at a time. The same result as `GatedMLA.attend_naive` (its reference).
+
+    q [t, H, dk], c [L, R] (the prefix's latents, then the queries' own), w_uk [H dk, R], w_uv [H dv, R]
+    (k = c W_uk^T, v = c W_uv^T per row). Query i (absolute position prefix + i) attends keys 0 .. prefix + i
+    with scores s_ij = scale q_i . k_j. Returns o [t, H, dv].
+
+    Keys go in blocks b of B = `block` latent rows, each decompressed to K_b, V_b [B, H, d] on the fly;
+    queries in chunks of C with H C B <= score_budget. The blocks merge by the online softmax rule (per
+    query and head; m = running max, l = running sum, a = running unnormalised output):
+
+        m' = max(m, max_j s_bj),   l' = e^(m - m') l + sum_j e^(s_bj - m'),
+        a' = e^(m - m') a + sum_j e^(s_bj - m') v_j,   o = a / l,   lse = m + log l,
+
+    which equals the log-sum-exp merge of the blocks' partial softmaxes (a flash call's (o_b, lse_b) enters
+    as m_b = lse_b, l_b = 1, a_b = o_b). The accumulators are fp32. On CPU the rows that see a whole block
+    and the aligned causal blocks of the queries' own keys take the flash kernel; the rest (and everything
+    off CPU) fp32 masked tiles. Memory, forward and backward: q, c, the weights, o and lse [t, H] plus ONE
+    block's K, V [B, H, dk + dv] and one score tile [H, C, B]; never the whole prefix's K, V
+    (`_BlockedLatentAttention`).
+    """
+    t, H, dk = q.shape
+    L = c.shape[0]
+    if L != prefix + t:
+        raise ValueError(f"blocked_latent_attention: latents ({L}) must be prefix ({prefix}) + queries ({t})")
+    if block < 1:
+        raise ValueError(f"blocked_latent_attention: block must be >= 1 latent row, got {block}")
+    if w_uk.shape != (H * dk, c.shape[1]) or w_uv.shape[1] != c.shape[1] or w_uv.shape[0] % H:
+        raise ValueError(f"blocked_latent_attention: weights {tuple(w_uk.shape)}, {tuple(w_uv.shape)} do not "
+                         f"fit q [{t}, {H}, {dk}] and latents [{L}, {c.shape[1]}]")
+    if t == 0:
+        return q.new_zeros(0, H, w_uv.shape[0] // H)
+    chunk = max(1, min(t, score_budget // max(1, H * min(block, L))))
+    return _BlockedLatentAttention.apply(q, c, w_uk, w_uv, prefix, scale, block, chunk)
 
 
 def latent_decode_attention(q_lat: torch.Tensor, latents: torch.Tensor, lens: torch.Tensor,
@@ -383,6 +576,13 @@ class GatedMLA(nn.Module):
         """Decompress K, V from c [L, R] and run MHA. q [t, H, Dh] -> o [t, H, Dh]."""
         k, v = self.decompress_kv(c)
         return causal_attention(q, k, v, prefix, self.scale)
+
+    def attend_blocked(self, q: torch.Tensor, c: torch.Tensor, prefix: int, block: int = PREFIX_BLOCK
+                       ) -> torch.Tensor:
+        """`attend_naive` decompressing at most `block` latent rows at a time (`blocked_latent_attention`):
+        q [t, H, Dh], c [prefix + t, R] -> o [t, H, Dh]. Context parallelism's continuing piece."""
+        return blocked_latent_attention(q, c, self.k_b_proj.weight, self.v_b_proj.weight, prefix, self.scale,
+                                        block)
 
     def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
         """q~_h = W_uk,h^T q_h: q [t, H, Dh] -> [t, H, R] (the query of MQA over the latent)."""

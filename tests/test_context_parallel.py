@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from model import context_parallel
 from model.context_parallel import context_parallel_forward, gather_shards, plan_shards, shard_bounds
 from model.sequence_chunks import Window
 from rl.learner.forward import head_logprobs
@@ -56,6 +57,7 @@ def test_plan_shards_properties(lens, R):
 
 def _rank(rank: int, world: int, init: str, lens: list[int], seed: int, out: str) -> None:
     torch.set_num_threads(1)
+    context_parallel.PREFIX_BLOCK = 200  # MLA prefix + shard: several blocks of 200 rows
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         group = dist.new_group(list(range(world)))

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from model import context_parallel
 from model.context_parallel import context_parallel_forward, gather_shards, plan_shards
 from rl.learner.forward import head_logprobs
 from tests.dist_backend import init_rank, train_share
@@ -42,6 +43,7 @@ WEIGHT_REL = 1e-5
 # ------------------------------------------------------------------------------------ forward + backward
 def _rank(rank: int, world: int, init: str, lens: list[int], seed: int, out: str) -> None:
     torch.set_num_threads(1)
+    context_parallel.PREFIX_BLOCK = 200  # MLA prefix + shard: several blocks of 200 rows
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         group = dist.new_group(list(range(world)))

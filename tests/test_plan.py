@@ -117,7 +117,8 @@ def test_window_bytes_grow_with_the_trajectory_only_where_they_should():
 
 def test_k3_plan_json(capsys):
     """The k3 plan from the CLI: JSON with the learner's per-rank breakdown under the GPU's usable memory, at
-    192K-token trajectories (1M fits no layout the learner runs: tests/test_plan_context_parallel.py)."""
+    192K-token trajectories (1M: tests/test_plan_context_parallel.py). With the MLA prefix attended in
+    blocks, context parallelism (512 ranks, cp 256) needs fewer ranks than windows (896)."""
     from rl.plan.cli import cli_main
 
     argv = ["--preset", "k3", "--gpu", "h200", "--gpus", "2048", "--context", "196608", "--json"]
@@ -129,7 +130,8 @@ def test_k3_plan_json(capsys):
     assert lr["fits"] and lr["total"] <= plan["cluster"]["usable_bytes"]
     assert lr["total"] == lr["params"] + lr["grads"] + lr["optimizer"] + lr["gather"] + lr["activations"]
     assert lr["ranks"] % lr["cp"] == 0 and lr["ranks"] % lr["ep"] == 0 and 896 % lr["ep"] == 0
-    assert (lr["ranks"], lr["ep"], lr["cp"], lr["layout"]) == (896, 896, 1, "windows")
+    assert (lr["ranks"], lr["ep"], lr["cp"], lr["layout"]) == (512, 128, 256, "checkpointed context-parallel "
+                                                                "shards")
     assert ro["fits"] and ro["weights"] + ro["cache_per_sequence"] <= plan["cluster"]["usable_bytes"]
     # 6 * active * tokens is most of the learner's FLOPs
     assert plan["step"]["train_flops"] > 6 * plan["model"]["active_params"] * plan["step"]["tokens"]

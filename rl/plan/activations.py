@@ -36,27 +36,39 @@ of one MLA layer decompressed over the whole prefix, and the LM head's logits bl
 tokens. Context parallelism runs its shard unchunked and without activation checkpointing (the config refuses
 learner.sequence_chunk_tokens and learner.activation_checkpointing with it), so a rank saves every layer:
 
-    layers  = forward_bytes(config, c)                         (the fitted formula x c tokens x every layer)
+    layers  = forward_bytes(config, c)                         (the fitted formula x c tokens x every layer,
+              - n_mla c 2 Hm hd 2 B                            less, on r > 0, the shard's own MLA K, V that
+                                                               the fitted formula counts and the blocked
+                                                               attention of the continuing piece never
+                                                               keeps, below)
     summary = n_kda H [(4 + 20 K) c + ceil(c / C) 8 K^2]       (r < R-1: the KDA shard summary, a second
               run of the recurrence from [I | 0] over K + V = 2K fp32 state columns (model/kda_compose.py):
               fp32 q = 0, k, [0 | v], g, beta per token, the [K, 2K] fp32 state per C-token chunk; exact for
               the CPU recurrent backend, measured)
-    mla     = n_mla P_r (2 Hm hd + R_kv) 2 B                   (r > 0: every MLA layer decompresses K and V
-              over the sequence's P_r = r c earlier tokens, and keeps them and their latents for the
-              backward: naive attention over the gathered latents)
+    mla     = n_mla P_r R_kv 2 B                               (r > 0: every MLA layer keeps the latents of
+              the sequence's P_r = r c earlier tokens for the backward; its attention over them and its own
+              shard goes in blocks of B_p = PREFIX_BLOCK latent rows (model/mla.py
+              `blocked_latent_attention`), so it keeps no decompressed K, V at all)
             + n_mla (R - 1) c R_kv 2 B                         (r = 0: the gathered latents of all shards stay
               alive through its own shard's slice)
     kda_exchange = n_kda 2 R H K K 4 B                         (r >= 2: the gathered fp32 summaries M, S_local
               that compose its initial state)
     conv    = n_kda [8 (c + 2 (W-1)) + 2 (W-1) 3HK 2 B]        (r > 0: the short conv of a continuing piece
               runs over W-1 more rows, the earlier shards' inputs, through an int64 gather index)
-    backward = 2 (P_r + c) Hm hd 2 B                           (transient: one MLA layer's K, V gradients)
+    backward = 2 c Hm hd 2 B                                   (r = 0, transient: one MLA layer's K, V
+              gradients, fresh causal attention over its own shard)
+             = c Hm hd 10 + (P_r + c) R_kv 6 + B_p Hm 2 hd 10 + 20 S
+                                                               (r > 0, transient: the blocked backward's
+              fp32 dq and incoming gradient, its latent gradient fp32 + bf16, ONE block's K, V (bf16 and
+              fp32) and their fp32 gradients, up to five fp32 score tiles [Hm, C, B_p] of S =
+              _SCORE_BUDGET elements alive at once: s, s - lse, P, dP - D, dS)
     head     = the LM head's logits blocks, as for windows.
 
 The saved terms (all but backward and head) are checked against the bytes a real gloo context-parallel
 forward saves per rank (`rl.plan.saved.measure_context_parallel_saved_bytes`, tests/test_plan_context_
 parallel.py). The plan takes the largest rank. The mla term grows with r, not with 1/R: the last rank holds
-(R-1)/R of the trajectory's decompressed K and V for every MLA layer, whatever R.
+the latents of (R-1)/R of the trajectory for every MLA layer, whatever R (R_kv = 512 per token at k3, ~1 GB
+per layer at 1M tokens; the naive form also held their K and V, 2 Hm hd = 16384 per token, ~35 GB).
 """
 
 from __future__ import annotations
@@ -66,6 +78,8 @@ from dataclasses import asdict, dataclass
 
 from model.cache import cache_bytes
 from model.config import OdysseyConfig
+from model.mla import _SCORE_BUDGET as SCORE_BUDGET
+from model.mla import PREFIX_BLOCK
 
 ACT_BYTES = 2  # bf16 activations (the coefficients above are measured in bf16)
 HEAD_LIVE_BLOCKS = 3  # LM head: the fp32 logits block, its softmax and its gradient (rl/learner/forward.py)
@@ -159,13 +173,13 @@ def window_bytes(config: OdysseyConfig, trajectory: int, chunk: int, capacity: f
 class ShardBytes:
     """The context-parallel learner's activation bytes on one rank (module docstring, `shard_bytes`)."""
 
-    layers: int  # every layer's saved activations of the c-token shard (the fitted formula)
+    layers: int  # every layer's saved activations of the c-token shard (the fitted formula; r > 0: less K, V)
     summary: int  # the KDA shard summaries (fp32 recurrence over K + V columns), ranks that hand on a state
-    mla: int  # earlier shards' K, V and latents, every MLA layer (r = 0: the gathered latents)
+    mla: int  # earlier shards' latents, every MLA layer (r = 0: the gathered latents); no K, V (blocked)
     kda_exchange: int  # the gathered fp32 summaries [R, H, K, K] x 2 per KDA layer (ranks >= 2)
     conv: int  # the short conv's W-1 rows from the earlier shards and its gather index (ranks > 0)
     stream: int  # checkpointed only: every layer's input [c, D] and the final read over them
-    backward: int  # transient: one MLA layer's K, V gradients over prefix + shard
+    backward: int  # transient: one MLA layer's attention backward (r > 0: blocked, one block's K, V)
     head: int  # the LM head's live logits blocks (fp32)
     checkpointed: bool = False  # the five terms above `stream` are then the largest single layer's
 
@@ -218,21 +232,29 @@ def shard_bytes(config: OdysseyConfig, trajectory: int, ranks: int, rank: int, c
     H, K, C = c.kda_num_heads, c.kda_head_dim, c.kda_chunk_size
     summary = n_kda * H * ((4 + 20 * K) * n + math.ceil(n / C) * 8 * K * K) if rank < ranks - 1 else 0
     Hm, hd, R_kv = c.mla_num_heads, c.mla_head_dim, c.mla_kv_lora_rank
+    own_kv = n * 2 * Hm * hd * ACT_BYTES if rank > 0 else 0  # per MLA layer: blocked, never kept
     if rank > 0:
-        mla = n_mla * start * (2 * Hm * hd + R_kv) * ACT_BYTES
+        mla = n_mla * start * R_kv * ACT_BYTES
     else:
         mla = n_mla * (ranks - 1) * widest * R_kv * ACT_BYTES if ranks > 1 else 0
     kda_exchange = n_kda * 2 * ranks * H * K * K * 4 if rank >= 2 else 0
     W = c.kda_conv_size
     conv = n_kda * (8 * (n + 2 * (W - 1)) + 2 * (W - 1) * 3 * H * K * ACT_BYTES) if rank > 0 else 0
-    backward = 2 * (start + n) * Hm * hd * ACT_BYTES if n_mla else 0
+    if not n_mla:
+        backward = 0
+    elif rank == 0:
+        backward = 2 * n * Hm * hd * ACT_BYTES
+    else:
+        backward = (n * Hm * hd * 10 + (start + n) * R_kv * 6 + PREFIX_BLOCK * Hm * 2 * hd * 10
+                    + 20 * SCORE_BUDGET)
     head = HEAD_LIVE_BLOCKS * HEAD_CHUNK_ELEMENTS * 4
     if not checkpointed:
-        return ShardBytes(forward_bytes(c, n, capacity), summary, mla, kda_exchange, conv, 0, backward, head)
+        return ShardBytes(forward_bytes(c, n, capacity) - n_mla * own_kv, summary, mla, kda_exchange, conv, 0,
+                          backward, head)
     T = padded_tokens(c, n)
     per = [sum(layer_bytes_per_token(c, l, capacity).values()) * T for l in range(c.num_hidden_layers)]
     kda = max((per[l] for l in c.kda_layer_indices), default=0)
-    mla_l = max((per[l] for l in c.mla_layer_indices), default=0)
+    mla_l = max((per[l] for l in c.mla_layer_indices), default=0) - own_kv
     one_kda = (kda + (summary + kda_exchange + conv) / n_kda) if n_kda else 0
     one_mla = (mla_l + mla / n_mla) if n_mla else 0
     stream = c.num_hidden_layers * n * c.hidden_size * ACT_BYTES + final_read_bytes_per_token(c) * n

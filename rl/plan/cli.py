@@ -46,10 +46,10 @@ PART_HOW = {
     "head": "LM head logits blocks (fp32)",
     "layers": "the largest layer of the shard, recomputed",
     "summary": "its KDA shard summary (fp32, K + V state columns)",
-    "mla": "its K, V, latents of the earlier shards (MLA)",
+    "mla": "its MLA latents of the earlier shards (no K, V: blocked)",
     "kda_exchange": "its gathered fp32 summaries of the cp ranks",
     "conv": "its short-conv rows from the earlier shard",
-    "backward": "one MLA layer's K, V gradients (transient)",
+    "backward": "one MLA layer's attention backward (transient)",
 }
 
 

@@ -360,17 +360,16 @@ def no_fit_message(config: OdysseyConfig, w: Workload, cluster: Cluster, model: 
             f"With context parallelism (best cp {c}, every layer checkpointed) it needs {part(r)}: the "
             f"layer inputs of the shard ({a['stream'] / GB:,.1f} GB), the largest layer recomputed "
             f"({(a['layers'] + a['summary'] + a['mla'] + a['kda_exchange'] + a['conv']) / GB:,.1f} GB, of "
-            f"which {a['mla'] / GB:,.1f} GB are one MLA layer's decompressed K, V and latents of the "
-            f"earlier shards) and their K, V gradients ({a['backward'] / GB:,.1f} GB): the last rank "
-            "attends over (cp-1)/cp of the trajectory, whatever cp.")
+            f"which {a['mla'] / GB:,.1f} GB are one MLA layer's latents of the earlier shards) and one MLA "
+            f"layer's blocked attention backward ({a['backward'] / GB:,.1f} GB): the last "
+            "rank attends over (cp-1)/cp of the trajectory, whatever cp.")
     s = next(iter(rows.values()))
     floor = (s["params"] + s["grads"] + s["optimizer"] + s["gather"]) / GB
     lines.append(f"The model state and all-gather alone take {floor:.1f} GB of it"
                  + (" (FSDP2 shards dim 0: a rank never holds less than one whole expert per MoE layer)."
                     if config.n_routed_experts else "."))
-    lines.append("Not built: MLA attention over the earlier shards' latents that does not decompress "
-                 "their K and V (absorbed attention over the latent, or K/V blocks recomputed in the "
-                 "backward), and zig-zag shards that spread the prefix over the ranks.")
+    lines.append("Not built: zig-zag shards that spread the prefix over the ranks (the MLA prefix is already "
+                 "attended in blocks, model/mla.py blocked_latent_attention).")
     best = longest_context(config, w, cluster, model, ep, cp)
     if best is None:
         lines.append("No trajectory of 1,024 tokens or more fits either.")
