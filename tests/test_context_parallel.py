@@ -55,7 +55,10 @@ def test_plan_shards_properties(lens, R):
     assert not shards[0].carry_in and not shards[-1].carry_out
 
 
-def _rank(rank: int, world: int, init: str, lens: list[int], seed: int, out: str) -> None:
+def _rank(rank: int, world: int, init: str, lens: list[int], seed: int, out: str,
+          checkpoint_layers: bool = False) -> None:
+    """One rank's shard forward + backward (every layer checkpointed with `checkpoint_layers`); rank 0 saves
+    the gathered log-probs, entropies, all-reduced gradients and routes."""
     torch.set_num_threads(1)
     context_parallel.PREFIX_BLOCK = 200  # MLA prefix + shard: several blocks of 200 rows
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -63,7 +66,8 @@ def _rank(rank: int, world: int, init: str, lens: list[int], seed: int, out: str
         group = dist.new_group(list(range(world)))
         model = _model()
         ids, cu, targets, replay, weights = _inputs(lens, seed)
-        h, shard, routed = context_parallel_forward(model.model, ids, cu, replay, group, return_routed=True)
+        h, shard, routed = context_parallel_forward(model.model, ids, cu, replay, group, return_routed=True,
+                                                    checkpoint_layers=checkpoint_layers)
         lp, ent = head_logprobs(h, targets[shard.start:shard.end], model.lm_head.weight)
         counts = [s.end - s.start for s in plan_shards(lens, world)]
         lp_all = torch.cat(gather_shards(lp, counts, group))
@@ -80,10 +84,11 @@ def _rank(rank: int, world: int, init: str, lens: list[int], seed: int, out: str
         dist.destroy_process_group()
 
 
-def _context_parallel(tmp_path, world: int, lens: list[int], seed: int):
+def _context_parallel(tmp_path, world: int, lens: list[int], seed: int, checkpoint_layers: bool = False):
     out = str(tmp_path / "rank0.pt")
     init = str(tmp_path / "rendezvous")
-    mp.start_processes(_rank, args=(world, init, lens, seed, out), nprocs=world, start_method="spawn")
+    mp.start_processes(_rank, args=(world, init, lens, seed, out, checkpoint_layers), nprocs=world,
+                       start_method="spawn")
     return torch.load(out)
 
 

@@ -24,13 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import context_parallel
-from model.context_parallel import context_parallel_forward, gather_shards, plan_shards
-from rl.learner.forward import head_logprobs
 from tests.dist_backend import init_rank, train_share
+from tests.test_context_parallel import _context_parallel
 from tests.test_sequence_chunks import (
     _assert_close,
-    _grads,
     _inputs,
     _long_and_short_batch,
     _model,
@@ -41,39 +38,13 @@ WEIGHT_REL = 1e-5
 
 
 # ------------------------------------------------------------------------------------ forward + backward
-def _rank(rank: int, world: int, init: str, lens: list[int], seed: int, out: str) -> None:
-    torch.set_num_threads(1)
-    context_parallel.PREFIX_BLOCK = 200  # MLA prefix + shard: several blocks of 200 rows
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        group = dist.new_group(list(range(world)))
-        model = _model()
-        ids, cu, targets, replay, weights = _inputs(lens, seed)
-        h, shard, _ = context_parallel_forward(model.model, ids, cu, replay, group, checkpoint_layers=True)
-        lp, ent = head_logprobs(h, targets[shard.start:shard.end], model.lm_head.weight)
-        counts = [s.end - s.start for s in plan_shards(lens, world)]
-        lp_all = torch.cat(gather_shards(lp, counts, group))
-        ent_all = torch.cat(gather_shards(ent, counts, group))
-        ((lp_all.double() * weights).sum() + ent_all.double().sum() * 1e-2).backward()
-        grads = _grads(model)
-        for name in sorted(grads):
-            dist.all_reduce(grads[name], group=group)
-        if rank == 0:
-            torch.save({"lp": lp_all.detach(), "ent": ent_all.detach(), "g": grads}, out)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("world,lens", [(2, [700, 1, 45, 300, 2, 513]), (3, [900])])
 def test_checkpointed_context_parallel_equals_one_rank(tmp_path, world, lens):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model = _model()
     args = _inputs(lens, seed=world + len(lens))
     ref = _unchunked(model, *args)
-    out = str(tmp_path / "rank0.pt")
-    mp.start_processes(_rank, args=(world, str(tmp_path / "rendezvous"), lens, world + len(lens), out),
-                       nprocs=world, start_method="spawn")
-    got = torch.load(out)
+    got = _context_parallel(tmp_path, world, lens, world + len(lens), checkpoint_layers=True)
     _assert_close(ref, (got["lp"], got["ent"], got["g"]))
 
 
