@@ -489,20 +489,9 @@ def read_run(run_dir: Path, k: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- report
 
 
-def fairness(cfg: Any, trl_threads: int) -> dict[str, Any]:
-    """Every setting held equal (ours: config key; TRL: GRPOConfig field)."""
-    ro, lc = cfg.rollout, cfg.learner
+def learner_fairness(lc: Any) -> dict[str, Any]:
+    """The learner settings held equal in both TRL benches (ours: `learner.*`; TRL: GRPOConfig field)."""
     return {
-        "model": f"{cfg.model.hf_path} (model.hf_path, fp32) = the TRL model dir, same weights",
-        "prompts": "task_stream(cfg, 'train') in order, env system instructions + question, checkpoint chat "
-        "template, generation prompt (prompt ids checked equal: trl.prompt_ids_equal)",
-        "reward": f"env verifier {cfg.env.kwargs.get('verifier')} on the turn text (stop token dropped)",
-        "held_out_eval": "rl.train.eval samples + summarize: same tasks, same sampling seeds, T = "
-        f"{ro.temperature} and greedy, eval_pass_k {cfg.orchestrator.eval_pass_k}",
-        "group_size = num_generations": lc.group_size,
-        "episodes = generation batch": ro.episodes,
-        "max_new_tokens = max_completion_length": ro.max_new_tokens,
-        "temperature / top_p / top_k": [ro.temperature, ro.top_p, ro.top_k],
         "lr = learning_rate": lc.lr,
         "lr_schedule / warmup_steps": [
             lc.lr_schedule,
@@ -522,6 +511,24 @@ def fairness(cfg: Any, trl_threads: int) -> dict[str, Any]:
         "seed": lc.seed,
         "gradient_checkpointing": "off on both (our learner has no activation checkpointing on: "
         f"learner.activation_checkpointing={lc.activation_checkpointing}; TRL gradient_checkpointing=False)",
+    }
+
+
+def fairness(cfg: Any, trl_threads: int) -> dict[str, Any]:
+    """Every setting held equal (ours: config key; TRL: GRPOConfig field)."""
+    ro, lc = cfg.rollout, cfg.learner
+    return {
+        "model": f"{cfg.model.hf_path} (model.hf_path, fp32) = the TRL model dir, same weights",
+        "prompts": "task_stream(cfg, 'train') in order, env system instructions + question, checkpoint chat "
+        "template, generation prompt (prompt ids checked equal: trl.prompt_ids_equal)",
+        "reward": f"env verifier {cfg.env.kwargs.get('verifier')} on the turn text (stop token dropped)",
+        "held_out_eval": "rl.train.eval samples + summarize: same tasks, same sampling seeds, T = "
+        f"{ro.temperature} and greedy, eval_pass_k {cfg.orchestrator.eval_pass_k}",
+        "group_size = num_generations": lc.group_size,
+        "episodes = generation batch": ro.episodes,
+        "max_new_tokens = max_completion_length": ro.max_new_tokens,
+        "temperature / top_p / top_k": [ro.temperature, ro.top_p, ro.top_k],
+        **learner_fairness(lc),
         "torch_threads": f"TRL {trl_threads} in one process; ours 1 per rollout worker and per learner (see "
         "odyssey.torch_threads)",
         "device / dtype": "CPU, fp32 on both",
@@ -564,6 +571,12 @@ def main() -> int:
     ap.add_argument("--order", choices=("trl-first", "odyssey-first"), default="trl-first")
     ap.add_argument("--odyssey-run", type=Path, help="a finished run of the cell (eval.jsonl, metrics.jsonl)")
     ap.add_argument("--trl-only", action="store_true", help="run the TRL side only")
+    ap.add_argument(
+        "--trl-record",
+        type=Path,
+        help="OUT/trl_seedS/trl_record.json of a finished TRL training of the same cell: evaluate it "
+        "instead of training again (written before every evaluation)",
+    )
     ap.add_argument("--trl-threads", type=int, default=None, help="default: the learner's torch threads")
     ap.add_argument(
         "--override",
@@ -611,9 +624,16 @@ def main() -> int:
     order = ["trl", "odyssey"] if args.order == "trl-first" else ["odyssey", "trl"]
     for side in order:
         if side == "trl":
-            print(f"TRL: {args.steps} steps on {threads} torch thread(s)", flush=True)
-            trl = train_trl(cfg, args.steps, args.eval_every, threads, args.out / f"trl_seed{args.seed}",
-                            args.trl_micro_batch)  # fmt: skip
+            record = args.out / f"trl_seed{args.seed}" / "trl_record.json"
+            if args.trl_record:  # a finished TRL training of this cell (its checkpoints kept beside it)
+                trl = json.loads(args.trl_record.read_text())
+                print(f"TRL: reusing the training recorded in {args.trl_record}", flush=True)
+            else:
+                print(f"TRL: {args.steps} steps on {threads} torch thread(s)", flush=True)
+                trl = train_trl(cfg, args.steps, args.eval_every, threads, args.out / f"trl_seed{args.seed}",
+                                args.trl_micro_batch)  # fmt: skip
+                # on disk before the evaluation, so an evaluation failure loses no training (--trl-record)
+                record.write_text(json.dumps(trl, indent=2, default=str) + "\n")
             trl["curve"] = evaluate_trl(cfg, trl, cfg.orchestrator.eval_episodes, args.keep_checkpoints)
         elif not args.trl_only:
             print(

@@ -39,10 +39,11 @@ def torch_threads(resources: dict[str, float]) -> int:
     return max(1, math.floor(float(resources.get("CPU", 1.0))))
 
 
-def cluster_demand(cfg: Any) -> dict[str, float]:
-    """Resources the whole run asks for: num_workers x rollout + num_ranks x learner."""
+def cluster_demand(cfg: Any, with_learner: bool = True) -> dict[str, float]:
+    """Resources the whole run asks for: num_workers x rollout + num_ranks x learner (with_learner=False:
+    the rollout workers only, as `odyssey eval` starts them)."""
     o = cfg.orchestrator
-    ranks = int(getattr(cfg.learner, "num_ranks", 1) or 1)
+    ranks = int(getattr(cfg.learner, "num_ranks", 1) or 1) if with_learner else 0
     out: dict[str, float] = {}
     for resources, n in ((o.rollout_resources, cfg.rollout.num_workers), (o.learner_resources, ranks)):
         for k, v in resources.items():
@@ -50,15 +51,15 @@ def cluster_demand(cfg: Any) -> dict[str, float]:
     return out
 
 
-def fit_problems(cfg: Any, available: dict[str, float]) -> list[str]:
+def fit_problems(cfg: Any, available: dict[str, float], with_learner: bool = True) -> list[str]:
     """Requests that the cluster's total resources (`ray.cluster_resources()`) cannot meet: one line each,
-    naming the config key and the fix."""
+    naming the config key and the fix (with_learner=False: the rollout workers' requests only)."""
     o = cfg.orchestrator
     out = []
-    for key, resources in (
-        ("rollout_resources", o.rollout_resources),
-        ("learner_resources", o.learner_resources),
-    ):
+    asks = [("rollout_resources", o.rollout_resources)]
+    if with_learner:
+        asks.append(("learner_resources", o.learner_resources))
+    for key, resources in asks:
         for k, v in resources.items():
             if v > 0 and k not in available:
                 have = ", ".join(
@@ -68,7 +69,7 @@ def fit_problems(cfg: Any, available: dict[str, float]) -> list[str]:
                     f"orchestrator.{key}: no node of the cluster has the resource {k!r} (the cluster has: "
                     f"{have}); start a node with `ray start --resources '{{\"{k}\": 1}}'` or drop the key"
                 )
-    demand = cluster_demand(cfg)
+    demand = cluster_demand(cfg, with_learner)
     for k in ("GPU",):  # CPUs may be oversubscribed (they are logical); GPUs may not
         if demand.get(k, 0.0) > available.get(k, 0.0) > 0:
             out.append(
@@ -85,13 +86,15 @@ def _nodes() -> list[dict[str, float]]:
     return [dict(nd.get("Resources", {})) for nd in ray.nodes() if nd.get("Alive")]
 
 
-def check_fits(cfg: Any) -> None:
+def check_fits(cfg: Any, with_learner: bool = True) -> None:
     """Raise ValueError listing every request the connected Ray cluster cannot meet (the learner's placement
-    group included)."""
+    group included; with_learner=False: the rollout workers only, for `odyssey eval`, which starts no
+    learner)."""
     import ray
 
-    problems = fit_problems(cfg, dict(ray.cluster_resources()))
-    problems += [p for p in learner_placement_problems(cfg, _nodes()) if p not in problems]
+    problems = fit_problems(cfg, dict(ray.cluster_resources()), with_learner)
+    if with_learner:
+        problems += [p for p in learner_placement_problems(cfg, _nodes()) if p not in problems]
     if problems:
         raise ValueError("placement:\n" + "\n".join(f"  - {p}" for p in problems))
 

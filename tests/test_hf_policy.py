@@ -341,7 +341,8 @@ def test_init_from_a_non_odyssey_checkpoint_loads_it_as_hf(llama_dir, tmp_path):
 @pytest.mark.parametrize("extra, needle", [
     (["learner.sequence_chunk_tokens=64"], "learner.sequence_chunk_tokens needs Odyssey's model"),
     (["model.overrides={balancing: none}"], "model.overrides apply to Odyssey presets"),
-    (["learner.advantage=gae", "learner.value_model=critic"], "value_model=critic copies an Odyssey trunk"),
+    (["learner.advantage=gae", "learner.value_model=critic", "learner.critic_preset=tiny"],
+     "remove learner.critic_preset"),
 ])
 def test_odyssey_only_keys_are_refused_with_an_hf_model(llama_dir, tmp_path, extra, needle):
     with pytest.raises(ConfigError) as e:

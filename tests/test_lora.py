@@ -13,7 +13,8 @@ Oracles and tolerances (fp32 CPU):
 - resume: a checkpoint stores the adapter only; a learner loaded from it holds the same adapter and optimizer
   state, and its next step equals the uninterrupted learner's exactly;
 - bad input (load_config, before anything starts): a target module the model lacks, an adapter on the LM
-  head, LoRA on Odyssey's model: a ConfigError naming the fix;
+  head: a ConfigError naming the fix; Odyssey's model takes the same section (tests/test_lora_odyssey.py),
+  dropout > 0 refused there;
 - the real SmolLM2-135M-Instruct checkpoint: one learner step with LoRA.
 """
 
@@ -254,20 +255,26 @@ def test_an_adapter_on_the_lm_head_is_a_config_error(llama_dir, tmp_path):
         _cfg(tmp_path, llama_dir, "learner.lora.target_modules=[lm_head]")
 
 
-def test_lora_on_odysseys_model_is_a_config_error_naming_the_fix(tmp_path):
+def test_lora_on_odysseys_model_loads_and_its_dropout_is_a_config_error(tmp_path):
+    """The same learner.lora section serves Odyssey's model (rl/learner/lora_odyssey.py; its tests:
+    tests/test_lora_odyssey.py), except dropout, which an adapter on the weight cannot apply."""
     path = tmp_path / "c.yaml"
     path.write_text("env: {id: arith}\n")
-    with pytest.raises(ConfigError, match=r"learner.lora needs a Hugging Face policy \(model.hf_path\).*"
-                                          r"remove learner.lora to fine-tune fully"):
-        load_config(path, [LORA])
+    cfg = load_config(path, [LORA])
+    assert cfg.learner.lora.target_modules == ["q_proj", "v_proj", "down_proj"] and cfg.model.hf_path is None
+    with pytest.raises(ConfigError, match=r"learner.lora.dropout=0.1.*set learner.lora.dropout=0"):
+        load_config(path, [LORA, "learner.lora.dropout=0.1"])
 
 
-def test_apply_lora_refuses_odysseys_model():
+def test_apply_lora_parametrizes_odysseys_model_and_refuses_other_modules():
     from model.config import OdysseyConfig
     from model.modeling import OdysseyForCausalLM
 
-    with pytest.raises(ValueError, match="Hugging Face policies"):
-        apply_lora(OdysseyForCausalLM(OdysseyConfig.from_preset("tiny")), _lora())
+    policy = apply_lora(OdysseyForCausalLM(OdysseyConfig.from_preset("tiny")), _lora())
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trainable and all(is_adapter_key(n) and ".parametrizations." in n for n in trainable)
+    with pytest.raises(ValueError, match="Hugging Face policies .* and Odyssey's model"):
+        apply_lora(torch.nn.Linear(4, 4), _lora())
 
 
 # ---- the real model ------------------------------------------------------------------------------------

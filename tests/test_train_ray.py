@@ -377,14 +377,17 @@ def test_learner_death_stops_the_run_with_the_resume_command(stopped_run):
 @pytest.mark.timeout(600)
 def test_odyssey_eval_on_a_training_checkpoint(stopped_run, tmp_path):
     """`odyssey eval CONFIG --checkpoint DIR --episodes N` on a training checkpoint, at two difficulties:
-    greedy, sampled, pass@k by env and difficulty, written to JSON."""
+    greedy, sampled, pass@k by env and difficulty, written to JSON. It starts no learner, so learner
+    resources the cluster lacks (64 CPUs here) do not stop it (they did: 2 rollout workers + 1 learner CPU
+    on a 2-CPU machine refused `odyssey eval configs/smollm2_arith_qa.yaml`)."""
     from rl.train.eval import cli_main
 
     ckpt = stopped_run[0] / "checkpoints" / "step-000001"
     out = tmp_path / "eval.json"
     rc = cli_main(
         ["configs/tiny.yaml", "--checkpoint", str(ckpt), "--episodes", "4", "--out", str(out), *TINY,
-         "orchestrator.eval_pass_k=2", "orchestrator.eval_difficulties=[0, 1]"]
+         "orchestrator.eval_pass_k=2", "orchestrator.eval_difficulties=[0, 1]",
+         "orchestrator.learner_resources={CPU: 64}"]
     )  # fmt: skip
     assert rc == 0
     res = json.loads(out.read_text())

@@ -216,6 +216,10 @@ def test_placement_options_and_fit_problems():
     assert "orchestrator.rollout_resources" in problems[0] and "'rollout_node'" in problems[0]
     assert "orchestrator.learner_resources" in problems[1] and "'GPU'" in problems[1]
     assert fit_problems(cfg, {"CPU": 8.0, "GPU": 4.0, "rollout_node": 2.0}) == []
+    # evaluation starts no learner: only the rollout workers' requests count
+    (only,) = fit_problems(cfg, {"CPU": 8.0, "learner_node": 1.0}, with_learner=False)
+    assert "orchestrator.rollout_resources" in only
+    assert fit_problems(cfg, {"CPU": 8.0, "rollout_node": 2.0}, with_learner=False) == []
 
 
 def test_orchestrator_config_errors():

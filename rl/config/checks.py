@@ -155,7 +155,7 @@ def _expert_parallel_problems(c: RunConfig) -> list[str]:
     """learner.sharding=ep / fsdp+ep (model/expert_parallel.py, rl/learner/fsdp.py): an Odyssey policy with
     LatentMoE layers whose n_routed_experts learner.num_ranks divides (the experts are split over all ranks,
     context-parallel groups or not: every rank runs every MoE layer once per micro-batch forward, on its
-    shard), and no LoRA."""
+    shard); LoRA refuses them (_odyssey_lora_problems)."""
     lr = c.learner
     if lr.sharding not in ("ep", "fsdp+ep"):
         return []
@@ -174,25 +174,28 @@ def _expert_parallel_problems(c: RunConfig) -> list[str]:
         out.append(f"{key}: learner.num_ranks ({lr.num_ranks}) must divide n_routed_experts ({n_experts}), "
                    "each rank holding n_routed_experts / num_ranks experts; set learner.num_ranks to one of "
                    f"{fits}")
-    if lr.lora is not None:
-        out.append(f"{key} and learner.lora do not combine (LoRA trains HF policies, which have no "
-                   "LatentMoE); remove learner.lora")
     return out
 
 
-def _routed_experts(m: ModelSection) -> int | None:
-    """The policy's routed experts per MoE layer (0: no MoE layer) from model.preset + overrides, or from the
-    model.init_from checkpoint's config.json; None when that cannot be read (its own check reports it)."""
+def _odyssey_config(m: ModelSection) -> Any:
+    """The OdysseyConfig of model.preset + overrides, or of the model.init_from checkpoint's config.json (+
+    overrides); None when that cannot be built (its own checks report the bad preset, override or file)."""
     try:
         from model.config import OdysseyConfig
 
         if m.init_from is not None:
             saved = json.loads((Path(m.init_from).expanduser() / "config.json").read_text())
             saved = {k: v for k, v in saved.items() if k in OdysseyConfig.__annotations__}
-            cfg = OdysseyConfig(**{**saved, **m.overrides})
-        else:
-            cfg = OdysseyConfig.from_preset(m.preset, **m.overrides)
+            return OdysseyConfig(**{**saved, **m.overrides})
+        return OdysseyConfig.from_preset(m.preset, **m.overrides)
     except Exception:  # unknown preset, bad override, unreadable checkpoint: reported by their checks
+        return None
+
+
+def _routed_experts(m: ModelSection) -> int | None:
+    """The policy's routed experts per MoE layer (0: no MoE layer); None when the config cannot be built."""
+    cfg = _odyssey_config(m)
+    if cfg is None:
         return None
     return cfg.n_routed_experts if cfg.moe_layer_indices and cfg.n_routed_experts else 0
 
@@ -280,8 +283,9 @@ def _hf_problems(c: RunConfig) -> list[str]:
                    f"between windows); with {where} set it to 0")
     if lr.context_parallel > 1:
         out.append(f"learner.context_parallel needs Odyssey's model; with {where} set it to 1")
-    if _critic(lr):
-        out.append(f"learner.value_model=critic copies an Odyssey trunk; with {where} use value_model=head")
+    if _critic(lr) and lr.critic_preset is not None:
+        out.append(f"learner.critic_preset builds an Odyssey-preset critic, which cannot read the token ids "
+                   f"of {where}; remove learner.critic_preset (the critic is then a copy of the HF policy)")
     try:
         saved = json.loads((Path(m.checkpoint).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
@@ -303,16 +307,14 @@ def _hf_problems(c: RunConfig) -> list[str]:
 
 
 def _lora_problems(c: RunConfig) -> list[str]:
-    """learner.lora: an HF policy (Odyssey's layers read their projection weights directly, so an adapter
-    layer would be bypassed), and every target module names a Linear layer of the model's trunk (read from
-    the checkpoint's config.json: the model is built on the meta device, no weights are read)."""
+    """learner.lora: every target module names a Linear layer of the model's trunk (an HF policy's read from
+    the checkpoint's config.json; Odyssey's from its config: either model is built on the meta device, no
+    weights are read), and on Odyssey's model the combinations it supports (`_odyssey_lora_problems`)."""
     lora, m = c.learner.lora, c.model
     if lora is None:
         return []
     if not is_hf_policy(m):
-        return ["learner.lora needs a Hugging Face policy (model.hf_path): Odyssey's own model reads its "
-                "KDA projection weights directly (concatenated q/k/v, fused CPU kernels), which an adapter "
-                "layer would not change. Set model.hf_path, or remove learner.lora to fine-tune fully"]
+        return _odyssey_lora_problems(c)
     try:
         linears = _trunk_linear_names(m.checkpoint)
     except (OSError, ValueError, KeyError) as e:  # _hf_problems names an unreadable checkpoint
@@ -326,6 +328,55 @@ def _lora_problems(c: RunConfig) -> list[str]:
             out.append(f"learner.lora.target_modules: {t!r} names no Linear layer of the model's trunk"
                        f"{head}; its Linear layers are {', '.join(suffixes)}. Use those names")
     return out
+
+
+def _odyssey_lora_problems(c: RunConfig) -> list[str]:
+    """learner.lora on Odyssey's model (rl/learner/lora_odyssey.py: adapters on the weights): no dropout (a
+    weight never sees the adapter's input), an unsharded learner (no FSDP, expert or context parallelism:
+    untested with parametrized weights), no critic copied from the adapted trunk, and target names of the
+    decoder's Linear layers or stacked expert weights."""
+    lora, lr = c.learner.lora, c.learner
+    out = []
+    if lora.dropout > 0:
+        out.append(f"learner.lora.dropout={lora.dropout}: Odyssey's model takes LoRA on its weights "
+                   "(W + s B A, which its fused kernels read), so no adapter input exists to drop out; set "
+                   "learner.lora.dropout=0")
+    if lr.sharding != "none":
+        out.append(f"learner.lora on Odyssey's model trains with an unsharded learner; learner.sharding="
+                   f"{lr.sharding} does not combine with it (the adapters are small: the frozen base is the "
+                   "memory). Set learner.sharding=none (data parallel over learner.num_ranks), or remove "
+                   "learner.lora to fine-tune fully")
+    if lr.context_parallel > 1:
+        out.append("learner.lora on Odyssey's model does not combine with learner.context_parallel > 1; set "
+                   "learner.context_parallel=1 (learner.sequence_chunk_tokens bounds a long sequence's "
+                   "activations), or remove learner.lora")
+    if _critic(lr) and lr.critic_preset is None:
+        out.append("learner.value_model=critic copies the policy's trunk, and with learner.lora on Odyssey's "
+                   "model that copy would carry the policy's adapters; set learner.critic_preset (a separate "
+                   "critic trunk) or learner.value_model=head")
+    policy = _odyssey_meta_policy(c.model)
+    if policy is not None:  # None: the model's own checks report the bad preset / override / checkpoint
+        from rl.learner.lora_odyssey import target_problems
+
+        out += target_problems(policy, list(lora.target_modules))
+    return out
+
+
+def _odyssey_meta_policy(m: ModelSection) -> Any:
+    """Odyssey's model of `_odyssey_config(m)` on the meta device (no memory, no weights read); None when the
+    config cannot be built."""
+    cfg = _odyssey_config(m)
+    if cfg is None:
+        return None
+    import torch
+
+    from model.modeling import OdysseyForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return OdysseyForCausalLM(cfg)
+    except Exception:  # an override the model rejects: reported by the model's own checks
+        return None
 
 
 def _hf_routing_problems(saved: dict, where: str, c: RunConfig) -> list[str]:

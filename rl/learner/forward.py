@@ -4,7 +4,8 @@
     for each chunk of scored positions p (c rows):                          (under checkpointing with grad)
         z = W_lm h[p]                                              [c, V]   fp32
         logp = z[target] - logsumexp(z);  H = logsumexp(z) - sum softmax(z) z
-    V = value_head(h[p]) | critic(input_ids, cu_seqlens)[p]        [M]
+    V = value_head(h[p]) | critic(input_ids, cu_seqlens)[p]        [M]      (an HF critic: the policy's
+                                                                             packing, shared prefixes too)
 
 Only the M scored positions reach the LM head, and at most one [c, V] block of logits exists at a time, in
 the forward and in the backward (c = HEAD_CHUNK_ELEMENTS / V rows), so [L, V] never materialises.
@@ -36,7 +37,7 @@ from model.modeling import OdysseyForCausalLM
 from model.sequence_chunks import chunked_forward
 from model.vision import ImagePatches
 from rl.learner.packing import MicroBatch
-from rl.learner.value import Critic, ValueHead
+from rl.learner.value import Critic, HFCritic, ValueHead
 
 HEAD_CHUNK_ELEMENTS = 1 << 24  # logits per LM-head chunk (64 MiB in fp32)
 
@@ -85,7 +86,7 @@ def head_logprobs(
 
 class TrainModule(nn.Module):
     """The trained parameters: `policy` (OdysseyForCausalLM, or any HF causal LM as an HFPolicy) and `value`
-    (ValueHead | Critic | None)."""
+    (ValueHead | Critic | None; an HF policy's critic is an HFCritic, rl/learner/value.py)."""
 
     def __init__(self, policy: OdysseyForCausalLM | HFPolicy, value: ValueHead | Critic | None = None,
                  sequence_chunk_tokens: int = 0, context_parallel_group=None) -> None:
@@ -103,12 +104,15 @@ class TrainModule(nn.Module):
         if sequence_chunk_tokens and isinstance(value, Critic):
             raise ValueError("learner.sequence_chunk_tokens does not chunk a separate critic's trunk; use "
                              "learner.value_model=head with sequence chunking, or sequence_chunk_tokens=0")
-        if isinstance(policy, HFPolicy) and (sequence_chunk_tokens or context_parallel_group is not None
-                                             or isinstance(value, Critic)):
-            raise ValueError("learner.sequence_chunk_tokens, learner.context_parallel and the separate "
-                             "critic need Odyssey's model; with an HF model (model.hf_path) set "
-                             "sequence_chunk_tokens=0, "
-                             "context_parallel=1 and value_model=head")
+        if isinstance(policy, HFPolicy) and (sequence_chunk_tokens or context_parallel_group is not None):
+            raise ValueError("learner.sequence_chunk_tokens and learner.context_parallel need Odyssey's "
+                             "model; with an HF model (model.hf_path) set sequence_chunk_tokens=0 and "
+                             "context_parallel=1")
+        if isinstance(value, Critic) and isinstance(policy, HFPolicy) != isinstance(value, HFCritic):
+            raise ValueError(
+                f"a {type(policy).__name__} policy cannot train with a {type(value).__name__}: an HF policy "
+                "(model.hf_path) needs an HFCritic (a copy of it: no learner.critic_preset), an Odyssey "
+                "policy a Critic of an Odyssey trunk; build it with rl.learner.value.build_value_model")
         mc = policy.config
         if sequence_chunk_tokens and mc.balancing == "aux_loss" and mc.n_routed_experts:
             raise ValueError("learner.sequence_chunk_tokens cannot compute the MoE auxiliary balancing loss "
@@ -144,7 +148,8 @@ class TrainModule(nn.Module):
         rep = mb.replay.to(dev) if replay else None  # shape and range checked per trajectory (batch.py)
         pos = mb.scored_pos.to(dev)
         if mb.images is not None and mb.images.n:
-            critic_p = self.value.trunk.config.vision_patch_size if isinstance(self.value, Critic) else None
+            critic_p = (self.value.trunk.config.vision_patch_size
+                        if isinstance(self.value, Critic) and not isinstance(self.value, HFCritic) else None)
             policy_p = getattr(policy.config, "vision_patch_size", 0)
             if values and critic_p is not None and critic_p != policy_p:
                 raise ValueError(f"the critic's patch size ({critic_p}) is not the policy's "
@@ -248,8 +253,16 @@ class TrainModule(nn.Module):
         hs = h[pos]
         logp, entropy = head_logprobs(hs, targets, self.policy.lm_head.weight)
         v = None
-        if values:
-            v = self.value(hs) if isinstance(self.value, ValueHead) else self.value(ids, cu, pos, images)
+        if values and isinstance(self.value, HFCritic):  # the policy's packed layout, shared prefixes too
+            v = self.value(ids, cu, pos, images, prefix_of)
+        elif values and isinstance(self.value, ValueHead):
+            v = self.value(hs)
+        elif values:
+            if prefix_of is not None:  # unreachable from the learner: it shares no prefixes then
+                raise ValueError("a micro-batch with shared prefixes (learner.share_prefixes) cannot feed "
+                                 "an Odyssey critic, which computes every sequence whole; collate it without "
+                                 "prefix_of (learner.share_prefixes=false)")
+            v = self.value(ids, cu, pos, images)
         return ForwardOut(logp=logp, entropy=entropy, values=v, routed=routed, aux=aux)
 
 

@@ -145,7 +145,7 @@ def evaluate_checkpoint(cfg: Any, checkpoint: str | Path, episodes: int, console
     (workers read it themselves: the directory must be reachable from their nodes)."""
     import dataclasses
 
-    from rl.placement import actor_options, check_fits, torch_threads
+    from rl.placement import actor_options, check_fits, cluster_demand, torch_threads
     from rl.rollout.fleet import RolloutFleet, worker_spawner
     from rl.rollout.worker import WorkerSettings
 
@@ -156,9 +156,10 @@ def evaluate_checkpoint(cfg: Any, checkpoint: str | Path, episodes: int, console
         checkpoint=str(policy_dir(checkpoint)),
         torch_threads=torch_threads(o.rollout_resources),
     )
-    fleet = RolloutFleet(cfg.rollout.num_workers)
+    # no learner runs here: only the rollout workers' resources are asked for and checked
+    fleet = RolloutFleet(int(cluster_demand(cfg, with_learner=False).get("CPU", 1) + 0.999))
     try:
-        check_fits(cfg)
+        check_fits(cfg, with_learner=False)
         fleet.launch(
             worker_spawner(settings, actor_options(o.rollout_resources)),
             cfg.rollout.num_workers,
