@@ -356,7 +356,7 @@ def _odyssey_lora_problems(c: RunConfig) -> list[str]:
                    "critic trunk) or learner.value_model=head")
     policy = _odyssey_meta_policy(c.model)
     if policy is not None:  # None: the model's own checks report the bad preset / override / checkpoint
-        from rl.learner.lora_odyssey import target_problems
+        from model.lora_targets import target_problems
 
         out += target_problems(policy, list(lora.target_modules))
     return out

@@ -16,7 +16,8 @@ stacked weights), B starts at zero, so the first forward is the base model's. Th
 `<module>.parametrizations.<name>.original`, the adapters at `<module>.parametrizations.<name>.0.lora_A` /
 `.lora_B` (`is_adapter_key` in rl/learner/lora.py knows both spellings).
 
-Targets: a name matches (peft's rule) a decoder Linear whose module name is the name or ends in "." + name
+Targets (model/lora_targets.py): a name matches (peft's rule) a decoder Linear whose module name is the name
+or ends in "." + name
 (`q_proj`: every KDA and MLA q_proj; `mixer.o_proj`: both mixers' output projections), or a LatentMoE's
 stacked expert weight (`w_gate_up` [E, 2I, L], `w_down_experts` [E, L, I]). The embedding, the LM head (the
 learner reads lm_head.weight as a matrix in its chunked head), the router (its fp32 scores and routing
@@ -38,14 +39,12 @@ learner step, rollout parity, resume, data parallelism, sequence chunking, confi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-EXPERT_PARAMS = ("w_gate_up", "w_down_experts")  # LatentMoE's stacked expert weights [E, out, in]
-NO_ADAPTER = ("lm_head", "embed_tokens")  # read as matrices by the learner's head / the embedding lookup
+from model.lora_targets import EXPERT_PARAMS, adapter_targets, matches_target, target_names, target_problems
 
 
 class LowRankDelta(nn.Module):
@@ -87,44 +86,6 @@ class LowRankDelta(nn.Module):
         return self._merged
 
 
-def _targets(policy: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
-    """(name, owner module, parameter name) of every weight that may take an adapter: the decoder's Linear
-    weights (name = the module's) and LatentMoE's stacked expert weights (name = `<module>.<param>`)."""
-    from model.moe import LatentMoE
-
-    for name, m in policy.named_modules():
-        if ".layers." not in f".{name}.":
-            continue
-        if isinstance(m, nn.Linear):
-            yield name, m, "weight"
-        elif isinstance(m, LatentMoE):
-            for p in EXPERT_PARAMS:
-                yield f"{name}.{p}", m, p
-
-
-def _matches(name: str, target: str) -> bool:
-    return name == target or name.endswith("." + target)
-
-
-def target_names(policy: nn.Module) -> list[str]:
-    """The short names (last component) a learner.lora.target_modules entry may use on `policy`, sorted."""
-    return sorted({n.rsplit(".", 1)[-1] for n, _, _ in _targets(policy)})
-
-
-def target_problems(policy: nn.Module, target_modules: list[str]) -> list[str]:
-    """One message per target that names no adaptable weight of `policy` (works on the meta device)."""
-    names = [n for n, _, _ in _targets(policy)]
-    out = []
-    for t in target_modules:
-        if not any(_matches(n, t) for n in names):
-            why = (" (the LM head and the embedding take no adapter: the learner reads lm_head.weight as a "
-                   "matrix)" if t.rsplit(".", 1)[-1] in NO_ADAPTER else "")
-            out.append(f"learner.lora.target_modules: {t!r} names no adaptable weight of Odyssey's model"
-                       f"{why}; its decoder Linear layers and stacked expert weights are "
-                       f"{', '.join(target_names(policy))}. Use those names")
-    return out
-
-
 def apply_odyssey_lora(policy: nn.Module, lora, seed: int = 0) -> nn.Module:
     """Parametrize the target weights of `policy` (an OdysseyForCausalLM) with `LowRankDelta` of `lora`
     (rank, alpha, target_modules; dropout must be 0) and freeze every other parameter; the adapters drawn
@@ -137,7 +98,8 @@ def apply_odyssey_lora(policy: nn.Module, lora, seed: int = 0) -> nn.Module:
     problems = target_problems(policy, list(lora.target_modules))
     if problems:
         raise ValueError("; ".join(problems))
-    chosen = [(n, m, p) for n, m, p in _targets(policy) if any(_matches(n, t) for t in lora.target_modules)]
+    chosen = [(n, m, p) for n, m, p in adapter_targets(policy)
+              if any(matches_target(n, t) for t in lora.target_modules)]
     policy.requires_grad_(False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -159,12 +121,10 @@ def has_odyssey_lora(policy: nn.Module) -> bool:
 def merged_odyssey_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
     """The state_dict of `policy` as a plain model's: `<module>.parametrizations.<p>.original` becomes
     `<module>.<p>` = W + s B A (a new tensor), adapter entries dropped, everything else the policy's own."""
-    from rl.learner.lora import is_adapter_key
-
     modules = dict(policy.named_modules())
     out: dict[str, torch.Tensor] = {}
     for k, v in policy.state_dict().items():
-        if is_adapter_key(k):
+        if ".parametrizations." in k and k.endswith((".lora_A", ".lora_B")):  # the adapters themselves
             continue
         if ".parametrizations." in k and k.endswith(".original"):
             owner, rest = k.split(".parametrizations.", 1)
