@@ -489,6 +489,19 @@ def read_run(run_dir: Path, k: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- report
 
 
+def machine_record(load0: list[float], t_all: float) -> dict[str, Any]:
+    """The machine a TRL bench ran on: platform, CPUs, load average at start (`load0`) and now, seconds since
+    `t_all` (perf_counter), this process's peak RSS."""
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "load_average_at_start": load0,
+        "load_average_at_end": list(os.getloadavg()),
+        "bench_wall_s": round(time.perf_counter() - t_all, 1),
+        "peak_rss_gib_this_process": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+    }
+
+
 def learner_fairness(lc: Any) -> dict[str, Any]:
     """The learner settings held equal in both TRL benches (ours: `learner.*`; TRL: GRPOConfig field)."""
     return {
@@ -659,7 +672,6 @@ def main() -> int:
                 key = f"tokens_{kind}_per_s{span}"
                 a, b = summary["odyssey"].get(key), summary["trl"].get(key)
                 summary[f"ratio_ours_over_trl_{key}"] = a / b if a and b else None
-    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result = {
         "bench": "trl_time_to_reward",
         "smoke": bool(args.smoke),
@@ -678,14 +690,7 @@ def main() -> int:
         "differences": DIFFERENCES,
         "trl": trl,
         "odyssey": ours,
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "load_average_at_start": load0,
-            "load_average_at_end": list(os.getloadavg()),
-            "bench_wall_s": time.perf_counter() - t_all,
-            "peak_rss_gib_this_process": round(peak_gib, 2),
-        },  # fmt: skip
+        "machine": machine_record(load0, t_all),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

@@ -64,8 +64,6 @@ import copy
 import gc
 import json
 import os
-import platform
-import resource
 import shutil
 import statistics
 import sys
@@ -80,6 +78,7 @@ from bench.trl_time_to_reward import (  # noqa: E402
     check_mappable,
     group_tokens,
     learner_fairness,
+    machine_record,
     rates,
     read_run,
     trl_config,
@@ -760,7 +759,6 @@ def main() -> int:
         summary: dict[str, Any] = {s: side_summary(sides[s]["steps"]) for s in ("trl", "odyssey") if sides[s]}
         if trl is not None and ours is not None:
             summary.update(compare(summary["odyssey"], summary["trl"]))
-        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         result = {
             "bench": "trl_tools_race",
             "smoke": bool(args.smoke),
@@ -779,14 +777,7 @@ def main() -> int:
             "differences": DIFFERENCES,
             "trl": trl,
             "odyssey": ours,
-            "machine": {
-                "platform": platform.platform(),
-                "cpus": os.cpu_count(),
-                "load_average_at_start": load0,
-                "load_average_at_end": list(os.getloadavg()),
-                "bench_wall_s": round(time.perf_counter() - t_all, 1),
-                "peak_rss_gib_this_process": round(peak_gib, 2),
-            },
+            "machine": machine_record(load0, t_all),
         }
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(result, indent=2, default=str) + "\n")
