@@ -13,7 +13,9 @@ Fixtures (all session-scoped; a test using any of them must be marked `@pytest.m
 
 from __future__ import annotations
 
+import bisect
 import os
+import time
 
 import pytest
 
@@ -21,6 +23,21 @@ import pytest
 TEST_LIMITS_KW = dict(
     memory="256m", cpus=1.0, pids=128, work_size="64m", tmp_size="16m", fsize="16m", output_bytes=64 << 10
 )
+
+
+#: (unix time, node id) of every test this session started, in order: names the test that made a leaked
+#: container (the last one started before the container's creation time)
+TEST_STARTS: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    TEST_STARTS.append((time.time(), nodeid))
+
+
+def running_test_at(t: float) -> str:
+    """The test that was running at unix time `t` ('before any test' when none had started)."""
+    i = bisect.bisect_right(TEST_STARTS, (t, chr(0x10FFFF))) - 1
+    return TEST_STARTS[i][1] if i >= 0 else "before any test"
 
 
 class LeakCheck:
@@ -56,7 +73,8 @@ def sandbox_leak_check():
         return
     assert not leaked, (
         f"{len(leaked)} sandbox container(s) left behind by this test session "
-        f"(present before: {len(before)}): {[(i.name, i.status, i.owner_pid) for i in leaked]}"
+        f"(present before: {len(before)}), with the test that was running when each was created: "
+        f"{[(i.name, i.status, i.owner_pid, running_test_at(i.created)) for i in leaked]}"
     )
 
 
