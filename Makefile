@@ -22,9 +22,9 @@ demo: setup
 		learner.advantage=raft learner.steps=40 learner.lr=1e-4 learner.warmup_steps=3 learner.ppo_epochs=4 \
 		logging.run_dir=$(CURDIR)/runs/tiny/rl
 
-## The whole suite, heavy tests (docker, ray, vllm, slow) included.
+## The whole suite, heavy tests (docker, ray, vllm, slow) included; per-test times in runs/pytest-junit.xml.
 test: setup
-	$(VENV)/bin/pytest -q --durations=15
+	$(VENV)/bin/pytest -q --durations=15 --junitxml=runs/pytest-junit.xml
 
 ## Pure-Python/numerics only (no Docker, Ray, vLLM): the inner loop while developing.
 test-fast: setup
