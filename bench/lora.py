@@ -10,7 +10,7 @@ trains), with the same torch thread count.
   CPU seconds (time.process_time) and tokens per CPU second.
 Reported: both variants and the ratios lora / full.
 
-    python bench/lora.py                       # 1 warm-up + 3 timed steps per variant
+    python bench/lora.py                       # 16 x 136 tokens: 1 warm-up + 3 timed steps per variant
     python bench/lora.py --steps 2 --threads 2
 """
 
@@ -117,8 +117,8 @@ def timings(steps: int, n: int, prompt: int, generated: int) -> dict[str, dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3, help="timed learner steps per variant")
-    ap.add_argument("--trajectories", type=int, default=4)
-    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--trajectories", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=40)
     ap.add_argument("--generated", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--memory-of", choices=["full", "lora"], help=argparse.SUPPRESS)  # a child process
