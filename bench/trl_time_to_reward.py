@@ -365,11 +365,7 @@ def train_trl(
     finally:
         torch.set_num_threads(before)
         reward.close()
-    if len(clock.marks) != steps or len(reward.calls) != steps:
-        raise RuntimeError(
-            f"TRL ran {len(clock.marks)} optimizer steps and {len(reward.calls)} generation "
-            f"batches, expected {steps} of each (one optimizer step per generation batch)"
-        )
+    check_one_batch_per_step(len(clock.marks), len(reward.calls), steps)
     per_step, seen = [], 0
     for mark, call in zip(clock.marks, reward.calls):
         want = [
@@ -487,6 +483,15 @@ def read_run(run_dir: Path, k: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- report
+
+
+def check_one_batch_per_step(optimizer_steps: int, generation_batches: int, steps: int) -> None:
+    """RuntimeError unless TRL ran `steps` optimizer steps and as many generation batches (one each)."""
+    if optimizer_steps != steps or generation_batches != steps:
+        raise RuntimeError(
+            f"TRL ran {optimizer_steps} optimizer steps and {generation_batches} generation "
+            f"batches, expected {steps} of each (one optimizer step per generation batch)"
+        )
 
 
 def machine_record(load0: list[float], t_all: float) -> dict[str, Any]:

@@ -76,6 +76,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.trl_time_to_reward import (  # noqa: E402
     check_mappable,
+    check_one_batch_per_step,
     group_tokens,
     learner_fairness,
     machine_record,
@@ -489,11 +490,7 @@ def train_trl(
         log = [h for h in trainer.state.log_history if "loss" in h]
     finally:
         torch.set_num_threads(before)
-    if len(clock.marks) != steps or len(reward.calls) != steps:
-        raise RuntimeError(
-            f"TRL ran {len(clock.marks)} optimizer steps and {len(reward.calls)} generation "
-            f"batches, expected {steps} of each (one optimizer step per generation batch)"
-        )
+    check_one_batch_per_step(len(clock.marks), len(reward.calls), steps)
     per_step, seen = [], 0
     for mark, call in zip(clock.marks, reward.calls):
         want = list(range((mark["step"] - 1) * tasks_per_step, mark["step"] * tasks_per_step))

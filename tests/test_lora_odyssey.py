@@ -39,6 +39,7 @@ from rl.learner.lora_odyssey import EXPERT_PARAMS, target_names
 from rl.rollout.engine import GenerationRequest, TorchEngine
 from rl.rollout.sampling import SamplingParams
 from rl.trajectory import Trajectory, TurnSpan
+from tests.test_lora import assert_resume_equals_uninterrupted
 
 torch.set_num_threads(1)
 
@@ -317,16 +318,7 @@ def test_resume_restores_the_adapter_and_the_next_step_equals_an_uninterrupted_r
     assert set(load_file(str(ckpt / ADAPTER_FILE))) == set(saved)
     assert {k for k in saved if not is_adapter_key(k)} == {
         n for n, _ in a.policy.named_buffers() if n.endswith("e_score_correction_bias")}
-    next_a = a.step(trajs)
-    b = Learner(cfg)
-    b.load(ckpt)
-    assert all(torch.equal(v, adapter_state_dict(b.policy)[k]) for k, v in saved.items())
-    assert b.optimizer_steps == 1
-    next_b = b.step(trajs)
-    timing = ("learner/step_s", "learner/tokens_per_s")
-    assert {k: v for k, v in next_a.items() if k not in timing} == {
-        k: v for k, v in next_b.items() if k not in timing}
-    assert all(torch.equal(v, b.policy.state_dict()[k]) for k, v in a.policy.state_dict().items())
+    assert_resume_equals_uninterrupted(a, ckpt, cfg, trajs, saved)
 
 
 def _adapter_grads_and_biases(learner: Learner) -> dict[str, torch.Tensor]:
