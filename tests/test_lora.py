@@ -193,6 +193,17 @@ def test_rollout_logprobs_with_synced_weights_equal_the_learners(llama_dir, tmp_
     engine.update_weights(learner.state_dict(), version=1)  # merged weights under the base names
     reqs = [GenerationRequest(t.tokens.tolist()[:5], SamplingParams(max_new_tokens=6, seed=1)) for t in trajs]
     policy = learner.policy.eval()
+    worst = worst_rollout_logprob_gap(engine, reqs, policy)
+    assert worst <= PARITY_TOL, worst
+    # the adapters changed what the engine computes (same prompt and seed as before the sync)
+    first = engine.generate(reqs[:1])[0]
+    assert first.token_ids != base.token_ids or max(
+        abs(a - b) for a, b in zip(first.logprobs, base.logprobs)) > 1e-3
+
+
+def worst_rollout_logprob_gap(engine: TorchEngine, reqs: list[GenerationRequest], policy) -> float:
+    """Generate `reqs` with `engine` (synced to weight version 1); the largest |rollout log-prob - the
+    learner policy's `token_logprobs`| over every generated token (each token must carry version 1)."""
     worst = 0.0
     for req, res in zip(reqs, engine.generate(reqs)):
         ids = torch.tensor(list(req.prompt_ids) + res.token_ids)
@@ -200,11 +211,7 @@ def test_rollout_logprobs_with_synced_weights_equal_the_learners(llama_dir, tmp_
             want = policy.token_logprobs(ids[:-1], ids[1:])[len(req.prompt_ids) - 1:]
         worst = max(worst, float((torch.tensor(res.logprobs) - want).abs().max()))
         assert res.token_versions == [1] * len(res.token_ids)
-    assert worst <= PARITY_TOL, worst
-    # the adapters changed what the engine computes (same prompt and seed as before the sync)
-    first = engine.generate(reqs[:1])[0]
-    assert first.token_ids != base.token_ids or max(
-        abs(a - b) for a, b in zip(first.logprobs, base.logprobs)) > 1e-3
+    return worst
 
 
 def test_resume_restores_the_adapter_and_the_next_step_equals_an_uninterrupted_run(llama_dir, tmp_path):

@@ -39,7 +39,7 @@ from rl.learner.lora_odyssey import EXPERT_PARAMS, target_names
 from rl.rollout.engine import GenerationRequest, TorchEngine
 from rl.rollout.sampling import SamplingParams
 from rl.trajectory import Trajectory, TurnSpan
-from tests.test_lora import assert_resume_equals_uninterrupted
+from tests.test_lora import assert_resume_equals_uninterrupted, worst_rollout_logprob_gap
 
 torch.set_num_threads(1)
 
@@ -293,13 +293,7 @@ def test_rollout_logprobs_with_synced_weights_equal_the_learners(tmp_path, trajs
     engine.update_weights(synced, version=1)
     reqs = [GenerationRequest(p, SamplingParams(max_new_tokens=6, seed=1)) for p in prompts]
     policy = learner.policy.eval()
-    worst = 0.0
-    for req, res in zip(reqs, engine.generate(reqs)):
-        ids = torch.tensor(list(req.prompt_ids) + res.token_ids)
-        with torch.no_grad():
-            want = policy.token_logprobs(ids[:-1], ids[1:])[len(req.prompt_ids) - 1:]
-        worst = max(worst, float((torch.tensor(res.logprobs) - want).abs().max()))
-        assert res.token_versions == [1] * len(res.token_ids)
+    worst = worst_rollout_logprob_gap(engine, reqs, policy)
     assert worst <= PARITY_TOL, worst
     first = engine.generate(reqs[:1])[0]  # the adapters changed what the engine computes
     assert first.token_ids != base.token_ids or max(
