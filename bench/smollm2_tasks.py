@@ -60,6 +60,24 @@ TOOL_EXAMPLE = (
 TOOL_CONFIG = ROOT / "configs" / "smollm2_arith_tools.yaml"
 TOOL_CONFIG_KWARGS = yaml.safe_load(TOOL_CONFIG.read_text())["env"]["kwargs"]
 
+
+
+def _worked_episode(a: int, op: str, b: int, value: int) -> list[dict[str, str]]:
+    """One demonstration in the shipped config's format: the task, calc, its result, answer, "correct"."""
+    calc = {"name": "calc", "arguments": {"expression": f"{a}{op}{b}"}}
+    answer = {"name": "answer", "arguments": {"value": value}}
+    return [
+        {"role": "user", "content": f"Compute {a}{op}{b}."},
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(calc)}</tool_call>"},
+        {"role": "tool", "content": str(value)},
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(answer)}</tool_call>"},
+        {"role": "tool", "content": "correct"},
+    ]
+
+
+THREE_DIGIT_DEMOS = [*_worked_episode(482, "+", 317, 799), *_worked_episode(265, "+", 918, 1183),
+                     *_worked_episode(703, "+", 146, 849)]
+
 BASE: dict[str, Any] = {
     "model": {"hf_path": "smollm2-135m-instruct", "dtype": "float32"},
     "rewards": [{"name": "outcome", "weight": 1.0}],
@@ -146,6 +164,20 @@ CANDIDATES: dict[str, dict[str, Any]] = {
         "rewards": [{"name": "outcome", "weight": 1.0}],
         "rollout": {"max_turns": 4, "max_tokens": 2048, "sandbox_pool_size": 2},
     },
+    "arith_3digit_tools_demos": {
+        "what": "arith_d0_tools_demos with three-digit operands (100..999, one +): too large to add in the "
+        "head reliably, so success needs calc; the three worked episodes use three-digit numbers too",
+        "env": {
+            "id": "arith",
+            "kwargs": {
+                **TOOL_CONFIG_KWARGS,
+                "config": {"min_operand": 100, "max_operand": 999},
+                "demonstrations": THREE_DIGIT_DEMOS,
+            },
+        },
+        "rewards": [{"name": "outcome", "weight": 1.0}],
+        "rollout": {"max_turns": 4, "max_tokens": 2048, "max_new_tokens": 64, "sandbox_pool_size": 2},
+    },
 }
 
 
@@ -221,12 +253,22 @@ def measure(name: str, episodes: int, k: int, dispatcher_for: Any) -> dict[str, 
         "assistant_turns": n_turns,
         "tool_calls_parsed": parsed,  # calls whose JSON parsed (tool envs; 0 for one-turn text envs)
         "tool_calls_ok": ran,  # parsed calls that ran without an error
+        # episodes with at least one parsed call of each tool (did the model use calc, or answer from memory?)
+        "episodes_calling": tools_called([t for _, t in valid]),
+        "episodes_solved_calling": tools_called([t for _, t in valid if (t.outcome or 0.0) >= 1.0]),
         "wall_s": round(wall, 1),
         "temperature": cfg.rollout.temperature,
         "max_new_tokens": cfg.rollout.max_new_tokens,
         "max_turns": cfg.rollout.max_turns,
         "example_completion": example,
     }
+
+
+def tools_called(trajs: list[Any]) -> dict[str, int]:
+    """Tool name -> how many of `trajs` parsed at least one call of it."""
+    names = [{c.get("name") for si in t.step_infos for c in si.tool_calls} for t in trajs]
+    every = sorted({n for ns in names for n in ns if isinstance(n, str)})
+    return {n: sum(n in ns for ns in names) for n in every}
 
 
 _TOK: dict[str, Any] = {}
