@@ -61,7 +61,6 @@ TOOL_CONFIG = ROOT / "configs" / "smollm2_arith_tools.yaml"
 TOOL_CONFIG_KWARGS = yaml.safe_load(TOOL_CONFIG.read_text())["env"]["kwargs"]
 
 
-
 def _worked_episode(a: int, op: str, b: int, value: int) -> list[dict[str, str]]:
     """One demonstration in the shipped config's format: the task, calc, its result, answer, "correct"."""
     calc = {"name": "calc", "arguments": {"expression": f"{a}{op}{b}"}}
