@@ -363,9 +363,10 @@ def plot_curves(runs: list[dict]) -> None:
         ax.set_xlabel(x)
         ax.set_ylabel("held-out success at T = 1 (bold: mean of seeds)")
         ax.set_ylim(0, 1)
-    by_step.legend(fontsize=7)
+    # the legend below both panels, so it never hides a curve
+    fig.legend(*by_step.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7)
     fig.suptitle("SmolLM2-135M-Instruct, no warm-up: held-out success during RL (2 CPU cores)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * ((len(cells) + 1) // 2), 1, 1))
     fig.savefig(CURVES, dpi=120)
 
 
