@@ -63,13 +63,13 @@ TOOL_CONFIG_KWARGS = yaml.safe_load(TOOL_CONFIG.read_text())["env"]["kwargs"]
 
 def _worked_episode(a: int, op: str, b: int, value: int) -> list[dict[str, str]]:
     """One demonstration in the shipped config's format: the task, calc, its result, answer, "correct"."""
-    calc = {"name": "calc", "arguments": {"expression": f"{a}{op}{b}"}}
-    answer = {"name": "answer", "arguments": {"value": value}}
+    from envs.tool_call import format_tool_call
+
     return [
         {"role": "user", "content": f"Compute {a}{op}{b}."},
-        {"role": "assistant", "content": f"<tool_call>{json.dumps(calc)}</tool_call>"},
+        {"role": "assistant", "content": format_tool_call("calc", {"expression": f"{a}{op}{b}"})},
         {"role": "tool", "content": str(value)},
-        {"role": "assistant", "content": f"<tool_call>{json.dumps(answer)}</tool_call>"},
+        {"role": "assistant", "content": format_tool_call("answer", {"value": value})},
         {"role": "tool", "content": "correct"},
     ]
 
