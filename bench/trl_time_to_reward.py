@@ -578,6 +578,21 @@ def side_summary(curve: list[dict[str, Any]], steps: list[dict[str, Any]], targe
     }
 
 
+def run_record(result: dict[str, Any]) -> dict[str, Any]:
+    """One race's cell, order, summary and machine record: what `runs` keeps of every race."""
+    return {k: result.get(k) for k in ("cell", "order", "smoke", "finished_utc", "summary", "machine")}
+
+
+def earlier_runs(path: Path) -> list[dict[str, Any]]:
+    """The `runs` of the results file at `path` (its top-level race for a file written before `runs`
+    existed); smoke races are not kept. The file's full record is of the latest race only."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    runs = old.get("runs") or [run_record(old)]
+    return [r for r in runs if not r.get("smoke")]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
@@ -697,6 +712,8 @@ def main() -> int:
         "odyssey": ours,
         "machine": machine_record(load0, t_all),
     }
+    result["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    result["runs"] = [*earlier_runs(RESULTS), run_record(result)]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"TRL final held-out success {target:.3f} at {trl['steps'][-1]['train_wall_s']:.0f} s")
@@ -710,6 +727,11 @@ def main() -> int:
         print(f"time-to-reward ratio TRL/ours: {summary['time_to_reward_ratio_trl_over_ours']}")
         for key in ("tokens_all_per_s", "tokens_trained_per_s", "tokens_trained_per_s_steps_2_to_n"):
             print(f"tokens/s ours/TRL ({key}): {summary['ratio_ours_over_trl_' + key]}")
+    for r in result["runs"]:
+        c, sm = r["cell"], r["summary"]
+        print(f"race {c['variant']} seed {c['seed']} {'-then-'.join(r['order'])}: time-to-reward TRL/ours "
+              f"{sm.get('time_to_reward_ratio_trl_over_ours')}, tokens_all/s ours/TRL "
+              f"{sm.get('ratio_ours_over_trl_tokens_all_per_s')}")
     print(f"wrote {RESULTS.relative_to(ROOT)}" + (" (smoke run)" if args.smoke else ""))
     return 0
 
