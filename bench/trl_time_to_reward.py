@@ -2,19 +2,23 @@
 scored by our held-out harness -> bench/results/trl_time_to_reward.json.
 
     .venv/bin/python bench/trl_time_to_reward.py [--steps 40] [--eval-every 10] [--eval-episodes 64]
-                     [--order trl-first|odyssey-first] [--odyssey-run DIR] [--trl-threads N]
+                     [--order trl-first|odyssey-first] [--variant grpo_pretrained|grpo_pretrained_lora]
+                     [--odyssey-run DIR] [--trl-threads N]
     .venv/bin/python bench/trl_time_to_reward.py --smoke      # TRL only: 2 steps, 4 eval episodes
 
-The cell is bench/learning.py's `smollm2-arith` family, variant `grpo_pretrained`
+The cell is bench/learning.py's `smollm2-arith` family, variant `grpo_pretrained` (full fine-tuning) or
+`grpo_pretrained_lora` (LoRA rank 16, alpha 32 on every projection, lr 5e-4, on both sides: ours injects
+peft's LoRA layers, TRL gets the same `peft.LoraConfig` as `peft_config`; TRL's policies are saved merged)
 (configs/smollm2_arith_qa.yaml: dataset-qa on examples/arith_words/arith_words.jsonl, 64 rows held out,
-math-verify, GRPO groups of 8, 32 episodes a step, 128 new tokens, T = 1).
+math-verify, GRPO groups of 8, 32 episodes a step, 128 new tokens, T = 1). The results file holds the latest
+race in full and every race's summary in "runs".
 
 Ours: bench/learning.py's `run` trains the cell (`odyssey train`, Ray, async with the config's
 max_staleness) and evaluates every --eval-every steps in training; `--odyssey-run DIR` records a finished run
 of the same cell instead (learning.run's `adopt`: its config.yaml must be this cell's).
 
-TRL: `trl.GRPOTrainer` (HF generate, fp32, CPU, one process with --trl-threads torch threads, default the
-learner's) trains the same converted checkpoint (`model.hf_path`) on
+TRL: `trl.GRPOTrainer` (HF generate, fp32, CPU, one process with --trl-threads torch threads, default every
+core it may run on) trains the same converted checkpoint (`model.hf_path`) on
   - the same prompts: the train tasks of `rl.rollout.tasks.task_stream(cfg, "train")` in stream order (task i
     of step k = our task k * tasks_per_step + i), rendered as our env renders them (the env's system
     instructions + the user question through the checkpoint's chat template, generation prompt), passed as
@@ -70,7 +74,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "bench" / "results" / "trl_time_to_reward.json"
+SMOKE_RESULTS = RESULTS.with_name("trl_time_to_reward_smoke.json")  # --smoke writes here, never over a race
 FAMILY, VARIANT = "smollm2-arith", "grpo_pretrained"
+#: bench/learning.py variants of the cell the race can run on both sides (full fine-tuning, LoRA)
+RACE_VARIANTS = ("grpo_pretrained", "grpo_pretrained_lora")
 #: our learner.loss_agg -> TRL's loss_type with the same token weights (rl/learner/losses.py)
 LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo"}
 
@@ -145,8 +152,11 @@ def eval_excluded_walls(metrics: list[dict[str, Any]], evals: list[dict[str, Any
 # ---------------------------------------------------------------- config of the cell
 
 
-def cell_config(steps: int, eval_every: int, eval_episodes: int | None, seed: int, extra: list[str]) -> Any:
-    """The RunConfig of bench/learning.py's cell (FAMILY, VARIANT, seed) as its `run` builds it, + extra."""
+def cell_config(
+    steps: int, eval_every: int, eval_episodes: int | None, seed: int, extra: list[str],
+    variant: str = VARIANT,
+) -> Any:
+    """The RunConfig of bench/learning.py's cell (FAMILY, variant, seed) as its `run` builds it, + extra."""
     from bench.learning import FAMILIES, VARIANTS
     from rl.config import load_config
 
@@ -156,7 +166,7 @@ def cell_config(steps: int, eval_every: int, eval_episodes: int | None, seed: in
     return load_config(str(ROOT / fam.config), [
         f"learner.steps={steps}", f"rollout.seed={seed}", f"orchestrator.eval_every={eval_every or steps}",
         f"orchestrator.eval_episodes={n}", "orchestrator.checkpoint_every=0",
-        *VARIANTS[VARIANT], *fam.overrides, *extra,
+        *VARIANTS[variant], *fam.overrides, *extra,
     ])  # fmt: skip
 
 
@@ -167,7 +177,7 @@ def check_mappable(cfg: Any) -> None:
         f"learner.{k} is {getattr(lc, k)!r}, TRL's GRPOTrainer here runs {want!r}"
         for k, want in (("advantage", "grpo"), ("policy_loss", "ppo_clip"), ("ppo_epochs", 1),
                         ("num_minibatches", 1), ("entropy_coef", 0.0), ("negative_advantage_weight", 1.0),
-                        ("turn_credit", False), ("lora", None), ("num_ranks", 1))
+                        ("turn_credit", False), ("num_ranks", 1))
         if getattr(lc, k) != want
     ]  # fmt: skip
     if lc.loss_agg not in LOSS_TYPES:
@@ -175,6 +185,8 @@ def check_mappable(cfg: Any) -> None:
             f"learner.loss_agg {lc.loss_agg!r} has no TRL loss_type with the same weights "
             f"(mappable: {', '.join(LOSS_TYPES)})"
         )
+    if lc.lora is not None and not cfg.model.hf_path:
+        problems.append("learner.lora on Odyssey's own model: TRL's side needs a Hugging Face checkpoint")
     if cfg.rollout.max_turns != 1:
         problems.append(f"rollout.max_turns is {cfg.rollout.max_turns}: TRL plays one turn per completion")
     if cfg.rollout.episodes % lc.group_size:
@@ -266,6 +278,30 @@ class VerifierReward:
         self.loop.close()
 
 
+def peft_config(lora: Any) -> Any:
+    """peft.LoraConfig for TRL's `GRPOTrainer(peft_config=...)` with `learner.lora`'s rank, alpha, target
+    modules and dropout (ours injects peft's LoRA layers with the same settings, rl/learner/lora.py), or None
+    (full fine-tuning) when `lora` is None."""
+    if lora is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                      lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM")  # fmt: skip
+
+
+def save_policy(model: Any, tok: Any, out_dir: Path) -> None:
+    """`save_pretrained` of a TRL policy and its tokenizer into `out_dir` as a plain checkpoint: a peft
+    model is merged first (W + (alpha / rank) B A, on a copy: training goes on with the adapters), so the
+    evaluation loads it like any other."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        model = copy.deepcopy(model).merge_and_unload()
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+
+
 def trl_config(cfg: Any, out_dir: str, steps: int, micro_batch: int) -> Any:
     """GRPOConfig with every setting of `cfg` TRL has (module docstring); micro-batches of `micro_batch`
     completions, accumulated over the generation batch of rollout.episodes completions: one optimizer step
@@ -339,8 +375,7 @@ def train_trl(
             if step % eval_every == 0 or step == steps:
                 t1 = time.perf_counter()
                 d = out / f"step-{step:06d}"
-                kwargs["model"].save_pretrained(d)
-                tok.save_pretrained(d)
+                save_policy(kwargs["model"], tok, d)
                 save_s = time.perf_counter() - t1
                 self.checkpoints.append({"step": step, "dir": str(d), "wall_s": wall,
                                          "train_wall_s": wall - self.saving, "save_s": save_s})  # fmt: skip
@@ -359,6 +394,7 @@ def train_trl(
             ),
             processing_class=tok,
             callbacks=[clock],
+            peft_config=peft_config(lc.lora),
         )
         trainer.train()
         log = [h for h in trainer.state.log_history if "loss" in h]
@@ -441,9 +477,9 @@ def odyssey_side(cfg: Any, args: argparse.Namespace, out: Path) -> dict[str, Any
     from bench.learning import run
     from rl.placement import torch_threads
 
-    rec = run(FAMILY, VARIANT, args.seed, args.steps, cfg.orchestrator.eval_episodes, out, args.eval_every,
-              adopt=args.odyssey_run)  # fmt: skip
-    run_dir = args.odyssey_run or out / FAMILY / f"{VARIANT}_seed{args.seed}"
+    rec = run(FAMILY, args.variant, args.seed, args.steps, cfg.orchestrator.eval_episodes, out,
+              args.eval_every, adopt=args.odyssey_run)  # fmt: skip
+    run_dir = args.odyssey_run or out / FAMILY / f"{args.variant}_seed{args.seed}"
     o = cfg.orchestrator
     return {
         "trainer": "odyssey train (Ray, async, TorchEngine rollout workers + learner actor)",
@@ -527,6 +563,10 @@ def learner_fairness(lc: Any) -> dict[str, Any]:
         "optimizer steps per generation batch": 1,
         "overlong_filter = mask_truncated_completions": lc.overlong_filter,
         "seed": lc.seed,
+        "lora (rank, alpha, target_modules, dropout)": None if lc.lora is None else [
+            lc.lora.rank, lc.lora.alpha, list(lc.lora.target_modules), lc.lora.dropout,
+            "peft LoRA layers on both (ours: injected into the trunk, rl/learner/lora.py; TRL: peft_config); "
+            "the same init law (A Kaiming, B zero), different random draws"],
         "gradient_checkpointing": "off on both (our learner has no activation checkpointing on: "
         f"learner.activation_checkpointing={lc.activation_checkpointing}; TRL gradient_checkpointing=False)",
     }
@@ -580,7 +620,8 @@ def side_summary(curve: list[dict[str, Any]], steps: list[dict[str, Any]], targe
 
 def run_record(result: dict[str, Any]) -> dict[str, Any]:
     """One race's cell, order, summary and machine record: what `runs` keeps of every race."""
-    return {k: result.get(k) for k in ("cell", "order", "smoke", "finished_utc", "summary", "machine")}
+    keys = ("cell", "order", "smoke", "finished_utc", "summary", "machine", "notes_added_after_run")
+    return {k: result[k] for k in keys if k in result}
 
 
 def earlier_runs(path: Path) -> list[dict[str, Any]]:
@@ -602,6 +643,12 @@ def main() -> int:
         "--seed", type=int, default=0, help="rollout.seed (task stream, sampling, held-out tasks)"
     )
     ap.add_argument("--order", choices=("trl-first", "odyssey-first"), default="trl-first")
+    ap.add_argument(
+        "--variant",
+        choices=RACE_VARIANTS,
+        default=VARIANT,
+        help="bench/learning.py's variant of the cell: full fine-tuning, or LoRA on both sides",
+    )
     ap.add_argument("--odyssey-run", type=Path, help="a finished run of the cell (eval.jsonl, metrics.jsonl)")
     ap.add_argument("--trl-only", action="store_true", help="run the TRL side only")
     ap.add_argument(
@@ -610,7 +657,13 @@ def main() -> int:
         help="OUT/trl_seedS/trl_record.json of a finished TRL training of the same cell: evaluate it "
         "instead of training again (written before every evaluation)",
     )
-    ap.add_argument("--trl-threads", type=int, default=None, help="default: the learner's torch threads")
+    ap.add_argument(
+        "--trl-threads",
+        type=int,
+        default=None,
+        help="default: every core this process may run on (ours spreads its rollout workers and learner "
+        "over them)",
+    )
     ap.add_argument(
         "--override",
         action="append",
@@ -631,7 +684,7 @@ def main() -> int:
         "--smoke",
         action="store_true",
         help="TRL only, 2 steps, eval every 2, 4 eval episodes, 1 eval worker, TRL micro-batch 2; the "
-        "results file says smoke: true",
+        "results go to bench/results/trl_time_to_reward_smoke.json (smoke: true)",
     )
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_trl_ttr")
     args = ap.parse_args()
@@ -646,11 +699,9 @@ def main() -> int:
         )
     if args.steps < 2 or args.eval_every < 1:
         ap.error("--steps must be >= 2 and --eval-every >= 1")
-    from rl.placement import torch_threads
-
-    cfg = cell_config(args.steps, args.eval_every, args.eval_episodes, args.seed, args.override)
+    cfg = cell_config(args.steps, args.eval_every, args.eval_episodes, args.seed, args.override, args.variant)
     check_mappable(cfg)
-    threads = args.trl_threads or torch_threads(cfg.orchestrator.learner_resources)
+    threads = args.trl_threads or len(os.sched_getaffinity(0))
     load0 = list(os.getloadavg())
     t_all = time.perf_counter()
     trl = ours = None
@@ -697,7 +748,7 @@ def main() -> int:
         "smoke": bool(args.smoke),
         "cell": {
             "family": FAMILY,
-            "variant": VARIANT,
+            "variant": args.variant,
             "seed": args.seed,
             "steps": args.steps,
             "eval_every": args.eval_every,
@@ -713,9 +764,10 @@ def main() -> int:
         "machine": machine_record(load0, t_all),
     }
     result["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    result["runs"] = [*earlier_runs(RESULTS), run_record(result)]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    path = SMOKE_RESULTS if args.smoke else RESULTS
+    result["runs"] = [*earlier_runs(path), run_record(result)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"TRL final held-out success {target:.3f} at {trl['steps'][-1]['train_wall_s']:.0f} s")
     if ours is not None:
         o = summary["odyssey"]
@@ -732,7 +784,7 @@ def main() -> int:
         print(f"race {c['variant']} seed {c['seed']} {'-then-'.join(r['order'])}: time-to-reward TRL/ours "
               f"{sm.get('time_to_reward_ratio_trl_over_ours')}, tokens_all/s ours/TRL "
               f"{sm.get('ratio_ours_over_trl_tokens_all_per_s')}")
-    print(f"wrote {RESULTS.relative_to(ROOT)}" + (" (smoke run)" if args.smoke else ""))
+    print(f"wrote {path.relative_to(ROOT)}" + (" (smoke run)" if args.smoke else ""))
     return 0
 
 

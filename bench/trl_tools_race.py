@@ -80,6 +80,7 @@ from bench.trl_time_to_reward import (  # noqa: E402
     group_tokens,
     learner_fairness,
     machine_record,
+    peft_config,
     rates,
     read_run,
     trl_config,
@@ -448,6 +449,7 @@ def make_trl_trainer(cfg: Any, model_dir: str, steps: int, out: Path, micro_batc
         callbacks=[clock],
         tools=[calc],
         environment_factory=lambda: ArithEpisode(tasks, cfg.env.id, cfg.env.kwargs, schemas),
+        peft_config=peft_config(cfg.learner.lora),
     )
     return {
         "trainer": trainer,

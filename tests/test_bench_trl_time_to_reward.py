@@ -72,3 +72,53 @@ def test_unmappable_learner_settings_are_named():
         ttr.check_mappable(cfg)
     assert "learner.ppo_epochs is 2" in str(e.value) and "seq_mean_token_sum" in str(e.value)
     ttr.check_mappable(ttr.cell_config(4, 2, 4, 0, []))  # the cell as shipped maps
+
+
+def test_lora_cell_maps_to_the_same_peft_config():
+    cfg = ttr.cell_config(4, 2, 4, 0, [], "grpo_pretrained_lora")
+    ttr.check_mappable(cfg)
+    lora, pc = cfg.learner.lora, ttr.peft_config(cfg.learner.lora)
+    assert (pc.r, pc.lora_alpha, pc.lora_dropout, pc.bias) == (lora.rank, lora.alpha, lora.dropout, "none")
+    assert set(pc.target_modules) == set(lora.target_modules) and len(lora.target_modules) == 7
+    assert ttr.peft_config(None) is None  # full fine-tuning: no peft_config
+
+
+class _Tok:
+    """save_pretrained only (the tokenizer is copied beside the policy, not read by this test)."""
+
+    def save_pretrained(self, d) -> None:
+        (d / "tokenizer_saved").write_text("ok")
+
+
+def test_trl_lora_policy_is_saved_merged_and_training_keeps_its_adapters(tmp_path):
+    """TRL's peft model saved by save_policy loads as a plain Llama whose logits equal the adapted model's
+    (merge oracle, 1e-5), and the model being trained still carries its unmerged adapters afterwards."""
+    import torch
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_hf_policy import make_llama
+
+    base = AutoModelForCausalLM.from_pretrained(make_llama(tmp_path / "base"), dtype=torch.float32)
+    lora = ttr.cell_config(4, 2, 4, 0, [], "grpo_pretrained_lora").learner.lora
+    model = get_peft_model(base, ttr.peft_config(lora))
+    torch.manual_seed(1)
+    with torch.no_grad():  # B starts at zero: make the adapters matter
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        base_only = model.get_base_model().model.embed_tokens.weight.clone()
+    ttr.save_policy(model, _Tok(), tmp_path / "saved")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    assert not isinstance(saved, PeftModel) and (tmp_path / "saved" / "tokenizer_saved").exists()
+    with torch.no_grad():
+        got, after = saved(input_ids=ids).logits, model(input_ids=ids).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (after - want).abs().max().item() == 0.0  # the trained model is untouched (not merged in place)
+    assert isinstance(model, PeftModel) and any("lora_A" in n for n, _ in model.named_parameters())
+    assert torch.equal(model.get_base_model().model.embed_tokens.weight, base_only)
+    assert (got - saved.__class__.from_pretrained(tmp_path / "base", dtype=torch.float32)(input_ids=ids)
+            .logits).abs().max().item() > 1e-3  # and the adapters are in the saved weights
