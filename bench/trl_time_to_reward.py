@@ -41,7 +41,12 @@ generating, so ours is a slight over-subtraction at most the evaluations' length
 
 Time to reward: target = TRL's held-out success (T = 1) at its last step; for each side, the first evaluated
 step whose success >= target, and its train_wall_s. ratio_trl_over_ours = TRL's seconds / ours (> 1: we get
-there sooner); None when ours never reaches it.
+there sooner); None when ours never reaches it. Both train --steps by default; time to reward is wall
+seconds, so `--odyssey-steps N` (and `--odyssey-eval-every M`) lets ours, the faster trainer per step, keep
+training in the time TRL's steps take; "odyssey_success_by_trl_final_wall_s" is ours' last evaluated success
+at or before TRL's last training second (the "ends no lower" check). `--trl-record RESULTS` reuses the TRL
+side (curve included) of an earlier race of the same variant, seed, steps and eval interval, as measured
+then (recorded as trl_adopted_from).
 
 Tokens (both sides alike): prompt + completion tokens (stop token included) of a step's completions, counted
 two ways: "all" (every group: what TRL trains, tied groups with zero advantage) and "trained" (groups whose
@@ -472,13 +477,29 @@ def evaluate_trl(cfg: Any, trl: dict[str, Any], episodes: int, keep: bool) -> li
 # ---------------------------------------------------------------- our side
 
 
+def adopted_trl(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """--trl-record: a TRL record (trl_record.json, evaluated afterwards from its kept checkpoints) or a
+    results file of an earlier race of the same variant and seed, whose TRL side (curve included) is reused
+    as it was measured."""
+    data = json.loads(path.read_text())
+    if "trl" not in data:
+        return data
+    cell = data["cell"]
+    want = {"variant": args.variant, "seed": args.seed, "steps": args.steps, "eval_every": args.eval_every}
+    got = {k: cell.get(k) for k in want}
+    if got != want or data.get("smoke") or "curve" not in data["trl"]:
+        raise SystemExit(f"--trl-record {path}: a race of {got} (smoke {data.get('smoke')}), not this cell "
+                         f"{want}; give a results file of the same cell, or a trl_record.json")
+    return {**data["trl"], "adopted_from": f"{path} (race finished {data.get('finished_utc')})"}
+
+
 def odyssey_side(cfg: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Train (or adopt, --odyssey-run) bench/learning.py's cell, and read its run dir (`read_run`)."""
     from bench.learning import run
     from rl.placement import torch_threads
 
-    rec = run(FAMILY, args.variant, args.seed, args.steps, cfg.orchestrator.eval_episodes, out,
-              args.eval_every, adopt=args.odyssey_run)  # fmt: skip
+    rec = run(FAMILY, args.variant, args.seed, args.odyssey_steps, cfg.orchestrator.eval_episodes, out,
+              args.odyssey_eval_every, adopt=args.odyssey_run)  # fmt: skip
     run_dir = args.odyssey_run or out / FAMILY / f"{args.variant}_seed{args.seed}"
     o = cfg.orchestrator
     return {
@@ -649,12 +670,22 @@ def main() -> int:
         default=VARIANT,
         help="bench/learning.py's variant of the cell: full fine-tuning, or LoRA on both sides",
     )
+    ap.add_argument(
+        "--odyssey-steps",
+        type=int,
+        default=None,
+        help="steps ours trains (default --steps): time to reward is wall seconds, so the faster trainer may "
+        "take more steps in the time TRL's --steps take",
+    )
+    ap.add_argument(
+        "--odyssey-eval-every", type=int, default=None, help="our evaluation interval (default --eval-every)"
+    )
     ap.add_argument("--odyssey-run", type=Path, help="a finished run of the cell (eval.jsonl, metrics.jsonl)")
     ap.add_argument("--trl-only", action="store_true", help="run the TRL side only")
     ap.add_argument(
         "--trl-record",
         type=Path,
-        help="OUT/trl_seedS/trl_record.json of a finished TRL training of the same cell: evaluate it "
+        help="OUT/trl_VARIANT_seedS/trl_record.json of a finished TRL training of the same cell: evaluate it "
         "instead of training again (written before every evaluation)",
     )
     ap.add_argument(
@@ -697,6 +728,8 @@ def main() -> int:
             "--override changes the TRL side only: give --trl-only too (or change the cell in "
             "bench/learning.py)"
         )
+    args.odyssey_steps = args.odyssey_steps or args.steps
+    args.odyssey_eval_every = args.odyssey_eval_every or args.eval_every
     if args.steps < 2 or args.eval_every < 1:
         ap.error("--steps must be >= 2 and --eval-every >= 1")
     cfg = cell_config(args.steps, args.eval_every, args.eval_episodes, args.seed, args.override, args.variant)
@@ -708,17 +741,17 @@ def main() -> int:
     order = ["trl", "odyssey"] if args.order == "trl-first" else ["odyssey", "trl"]
     for side in order:
         if side == "trl":
-            record = args.out / f"trl_seed{args.seed}" / "trl_record.json"
+            trl_dir = args.out / f"trl_{args.variant}_seed{args.seed}"
             if args.trl_record:  # a finished TRL training of this cell (its checkpoints kept beside it)
-                trl = json.loads(args.trl_record.read_text())
+                trl = adopted_trl(args.trl_record, args)
                 print(f"TRL: reusing the training recorded in {args.trl_record}", flush=True)
             else:
                 print(f"TRL: {args.steps} steps on {threads} torch thread(s)", flush=True)
-                trl = train_trl(cfg, args.steps, args.eval_every, threads, args.out / f"trl_seed{args.seed}",
-                                args.trl_micro_batch)  # fmt: skip
+                trl = train_trl(cfg, args.steps, args.eval_every, threads, trl_dir, args.trl_micro_batch)
                 # on disk before the evaluation, so an evaluation failure loses no training (--trl-record)
-                record.write_text(json.dumps(trl, indent=2, default=str) + "\n")
-            trl["curve"] = evaluate_trl(cfg, trl, cfg.orchestrator.eval_episodes, args.keep_checkpoints)
+                (trl_dir / "trl_record.json").write_text(json.dumps(trl, indent=2, default=str) + "\n")
+            if "curve" not in trl:
+                trl["curve"] = evaluate_trl(cfg, trl, cfg.orchestrator.eval_episodes, args.keep_checkpoints)
         elif not args.trl_only:
             print(
                 f"ours: {'adopting ' + str(args.odyssey_run) if args.odyssey_run else 'training'}", flush=True
@@ -734,6 +767,9 @@ def main() -> int:
     }
     if ours is not None:
         summary["odyssey"] = side_summary(ours["curve"], ours["steps"], target)
+        # "ends no lower": ours' last evaluation at or before TRL's last training second
+        by_then = [p for p in ours["curve"] if p["train_wall_s"] <= trl["curve"][-1]["train_wall_s"]]
+        summary["odyssey_success_by_trl_final_wall_s"] = by_then[-1]["success"] if by_then else None
         t_trl, t_ours = (summary[s]["first_reaching_target"] for s in ("trl", "odyssey"))
         summary["time_to_reward_ratio_trl_over_ours"] = (
             t_trl["train_wall_s"] / t_ours["train_wall_s"] if t_trl and t_ours and t_ours["train_wall_s"] > 0
@@ -752,6 +788,9 @@ def main() -> int:
             "seed": args.seed,
             "steps": args.steps,
             "eval_every": args.eval_every,
+            "odyssey_steps": args.odyssey_steps,
+            "odyssey_eval_every": args.odyssey_eval_every,
+            "trl_adopted_from": trl.get("adopted_from"),
             "eval_episodes": cfg.orchestrator.eval_episodes,
             "trl_overrides": args.override,
         },  # fmt: skip

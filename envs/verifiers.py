@@ -5,9 +5,12 @@
 
 - `math-verify` (default): Hugging Face Math-Verify, `verify(parse(truth), parse(text))`: LaTeX and plain
   expressions, the answer found as the text's last `\\boxed{}` or expression; equivalent forms match
-  (`\\frac{1}{2}` and `0.5`). It runs in a child process (envs/child_process.py), where Math-Verify's own
-  per-operation timeouts (signal.alarm, main thread only) work, so no answer can block the event loop
-  that serves the engine.
+  (`\\frac{1}{2}` and `0.5`). When the ground truth is a number, the answer must also be written as a
+  number (`number_literal`: a decimal or a fraction in lowest terms), not as an expression of that value:
+  Math-Verify alone scores `25 * 2`, `\\boxed{49+1}` or `\\frac{100}{2}` correct for 50, and GRPO on
+  SmolLM2 learned to restate the question as the answer (docs/envs.md, "Verifying safely"). It runs in a
+  child process (envs/child_process.py), where Math-Verify's own per-operation timeouts (signal.alarm, main
+  thread only) work, so no answer can block the event loop that serves the engine.
 - `exact-match`: `final_answer(text) == str(truth).strip()`, where `final_answer` is the content of the
   text's last `\\boxed{...}`, else of its last `<answer>...</answer>`, else the whole stripped text.
 - `pkg.module:fn`: your function `fn(answer: str, ground_truth, row: dict) -> float | bool`, `def` (run
@@ -121,10 +124,35 @@ class ExactMatch:
 # ---- math-verify in a child process ----------------------------------------------------------------
 
 
+_DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"  # 7, 1,234, 3.25, .5
+_DECIMAL = re.compile(rf"[+-]?(?:{_DIGITS})")
+_FRACTION = re.compile(r"([+-]?)(?:\\[dt]?frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+))")
+_SPACING = re.compile(r"\s+|\\[,;:! ]|~")
+
+
+def number_literal(extracted: str, percent: bool = False) -> bool:
+    """Whether Math-Verify's extracted answer text is a number written as one: a decimal (`50`, `-3.5`,
+    `1,234`) or a fraction in lowest terms (`\\frac{1}{2}`, `-3/4`; denominator > 1), with a trailing `%`
+    only when `percent` (the ground truth has one); spacing commands and spaces ignored. Not an expression
+    that evaluates to a number (`25 * 2`, `49+1`, `\\frac{100}{2}`, `-(-50)`, `\\sqrt{2500}`). Linear time."""
+    s = _SPACING.sub("", extracted)
+    if percent:
+        s = s.removesuffix("\\%").removesuffix("%")
+    if _DECIMAL.fullmatch(s):
+        return True
+    m = _FRACTION.fullmatch(s)
+    if m is None:
+        return False
+    num, den = (int(m[2]), int(m[3])) if m[2] is not None else (int(m[4]), int(m[5]))
+    return den > 1 and math.gcd(num, den) == 1
+
+
 def _math_verify_in_child(answer: str, truth: str, op_timeout_s: int) -> bool:
     """Runs in the child process (main thread: Math-Verify's signal-based timeouts work). An exception
     while parsing the ground truth propagates (the env's data); one caused by the answer (parsing it, or
-    comparing it) is a failed check: False."""
+    comparing it) is a failed check: False. A ground truth that is a number needs an answer written as a
+    number (`number_literal`): Math-Verify alone accepts any expression of the same value, so restating
+    the question (`25 * 2` for "What is 25 times 2?") would score as solving it."""
     import logging
 
     from math_verify import parse, verify
@@ -133,7 +161,12 @@ def _math_verify_in_child(answer: str, truth: str, op_timeout_s: int) -> bool:
     gold = parse(truth, parsing_timeout=op_timeout_s)
     try:
         pred = parse(answer, parsing_timeout=op_timeout_s)
-        return bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=op_timeout_s))
+        if not (gold and pred and verify(gold, pred, timeout_seconds=op_timeout_s)):
+            return False
+        if getattr(gold[0], "is_Number", False):  # SymPy Integer / Rational / Float
+            texts = [p for p in pred if isinstance(p, str)]
+            return bool(texts) and number_literal(texts[-1], percent="%" in truth)
+        return True
     except Exception:  # Math-Verify (or SymPy under it) failing on the answer: the answer's doing
         return False
 

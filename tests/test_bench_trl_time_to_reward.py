@@ -122,3 +122,23 @@ def test_trl_lora_policy_is_saved_merged_and_training_keeps_its_adapters(tmp_pat
     assert torch.equal(model.get_base_model().model.embed_tokens.weight, base_only)
     assert (got - saved.__class__.from_pretrained(tmp_path / "base", dtype=torch.float32)(input_ids=ids)
             .logits).abs().max().item() > 1e-3  # and the adapters are in the saved weights
+
+
+def test_trl_record_from_an_earlier_race_is_reused_only_for_the_same_cell(tmp_path):
+    import argparse
+    import json
+
+    args = argparse.Namespace(variant="grpo_pretrained_lora", seed=0, steps=20, eval_every=10)
+    cell = {"variant": "grpo_pretrained_lora", "seed": 0, "steps": 20, "eval_every": 10}
+    trl = {"steps": [{"step": 1}], "curve": [{"step": 0, "success": 0.1}]}
+    race = tmp_path / "race.json"
+    race.write_text(json.dumps({"cell": cell, "smoke": False, "finished_utc": "T", "trl": trl}))
+    got = ttr.adopted_trl(race, args)
+    assert got["curve"] == trl["curve"] and "race.json" in got["adopted_from"]
+    for bad in ({**cell, "seed": 1}, {**cell, "variant": "grpo_pretrained"}, {**cell, "steps": 40}):
+        race.write_text(json.dumps({"cell": bad, "trl": trl}))
+        with pytest.raises(SystemExit, match="not this cell"):
+            ttr.adopted_trl(race, args)
+    record = tmp_path / "trl_record.json"  # a plain training record: evaluated afterwards, returned as is
+    record.write_text(json.dumps({"steps": [], "checkpoints": []}))
+    assert ttr.adopted_trl(record, args) == {"steps": [], "checkpoints": []}

@@ -599,3 +599,38 @@ def test_reasoning_gym_extract_answer_matches_theirs(text):
     got = timed(lambda: extract_answer(text))
     if len(text) < 5000:
         assert got == theirs(text)
+
+
+# ------------------------------------------ math-verify: a numeric truth needs a number, not an expression
+RESTATED = ["25 * 2", "\\boxed{25 \\times 2}", "\\boxed{2*25}", "\\boxed{49+1}", "\\boxed{7^2+1}",
+            "\\boxed{5\\cdot 10}", "\\boxed{100/2}", "\\boxed{\\frac{100}{2}}", "\\boxed{-(-50)}",
+            "\\boxed{\\sqrt{2500}}", "50 = 25*2", "\\boxed{50\\%}", "\\boxed{(50)}",
+            "$25 \\cdot 2$"]  # fmt: skip
+STATED = ["\\boxed{50}", "The answer is 50.", "$50$", "25*2=50", "\\boxed{50.0}", "so \\boxed{ 50 }"]
+
+
+def test_math_verify_refuses_expressions_of_a_numeric_truth(math_verify):
+    """Math-Verify alone scores every RESTATED text 1.0 for 50 (SymPy evaluates it); GRPO on SmolLM2 learned
+    to answer "What is 25 times 2?" with "25 * 2". A numeric truth now needs the number written as one."""
+    score = lambda text, truth: asyncio.run(math_verify.averify(text, truth)).score  # noqa: E731
+    assert [t for t in RESTATED if score(t, "50") != 0.0] == []
+    assert [t for t in STATED if score(t, "50") != 1.0] == []
+    assert score("\\boxed{0.5}", "\\frac{1}{2}") == score("\\boxed{1/2}", "0.5") == 1.0
+    assert score("\\boxed{\\frac{2}{4}}", "0.5") == score("\\boxed{1-0.5}", "0.5") == 0.0
+    assert score("\\boxed{-7}", "-7") == score("\\boxed{1,234}", "1234") == 1.0
+    assert score("\\boxed{50\\%}", "50\\%") == 1.0  # a percent truth takes a percent answer
+    # a symbolic truth keeps Math-Verify's equivalence: the answer is an expression by nature
+    assert score("\\boxed{1 + x^2}", "$x^2+1$") == 1.0
+    assert score("\\boxed{\\frac{\\sqrt{2}}{2}}", "$\\frac{1}{\\sqrt{2}}$") == 1.0
+
+
+@given(a=st.integers(2, 999), b=st.integers(2, 999), op=st.sampled_from(["+", "-", "*", "\\times", "\\cdot"]),
+       form=st.sampled_from(["{a} {op} {b}", "\\boxed{{{a}{op}{b}}}", "answer: ${a} {op} {b}$"]))  # fmt: skip
+@FUZZ_FEW
+def test_math_verify_fuzz_restated_arithmetic_never_scores(math_verify, a, b, op, form):
+    """A question "a op b" answered by writing it out (in several syntaxes) scores 0 against its value; the
+    value written as a number scores 1."""
+    value = str({"+": a + b, "-": a - b}.get(op, a * b))
+    text = form.format(a=a, b=b, op=op)
+    assert asyncio.run(math_verify.averify(text, value)).score == 0.0, (text, value)
+    assert asyncio.run(math_verify.averify(f"\\boxed{{{value}}}", value)).score == 1.0, value
