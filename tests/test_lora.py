@@ -248,8 +248,33 @@ def test_a_checkpoint_of_another_lora_config_or_evaluating_it_is_refused(llama_d
         other.load(ckpt)
     from rl.train.eval import policy_dir
 
-    with pytest.raises(ValueError, match="holds only its LoRA adapter"):  # odyssey eval --checkpoint
+    with pytest.raises(ValueError, match="holds only its LoRA adapter"):  # odyssey eval without its config
         policy_dir(ckpt)
+    with pytest.raises(ValueError, match="give the config the run was trained with"):
+        policy_dir(ckpt, _cfg(tmp_path, llama_dir, "learner.lora.rank=2"))
+
+
+def test_odyssey_eval_of_a_lora_checkpoint_plays_the_merged_policy(llama_dir, tmp_path):
+    """policy_dir(checkpoint, cfg) of a learner.lora checkpoint: the config's model with the saved adapter
+    merged, a plain checkpoint whose logits equal the adapted policy's (<= 1e-5); built once."""
+    from rl.train.eval import policy_dir
+
+    cfg = _cfg(tmp_path, llama_dir)
+    a = Learner(cfg)
+    _randomise_adapters(a.policy, seed=3)
+    ckpt = a.save(tmp_path / "ckpt")
+    merged = policy_dir(ckpt, cfg)
+    assert merged.name == "merged_policy" and (merged / "config.json").is_file()
+    loaded = HFPolicy.from_pretrained(merged).eval()
+    ids = torch.randint(0, loaded.hf.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        want = a.policy.eval().hf(input_ids=ids).logits
+        got = loaded.hf(input_ids=ids).logits
+        base = HFPolicy.from_pretrained(llama_dir).eval().hf(input_ids=ids).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (base - want).abs().max().item() > 1e-3  # the adapters change the model: the merge carried them
+    stamp = (merged / "COMPLETE").stat().st_mtime_ns
+    assert policy_dir(ckpt, cfg) == merged and (merged / "COMPLETE").stat().st_mtime_ns == stamp
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

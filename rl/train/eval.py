@@ -120,24 +120,66 @@ def table(metrics: dict[str, Any], k: int, title: str) -> Table:
     return t
 
 
-def policy_dir(checkpoint: str | Path) -> Path:
+def policy_dir(checkpoint: str | Path, cfg: Any = None) -> Path:
     """The save_pretrained directory of `checkpoint`: itself (a warm-up or any saved policy), or
-    <checkpoint>/learner/policy (a training checkpoint, rl/train/checkpoint.py)."""
+    <checkpoint>/learner/policy (a training checkpoint, rl/train/checkpoint.py). A learner.lora training
+    checkpoint holds only its adapter: with the run's `cfg` (whose learner.lora must be the one it was
+    written with) its merged policy, built once into <checkpoint>/learner/merged_policy
+    (`merged_lora_policy`)."""
     from rl.learner.learner import ADAPTER_FILE
 
     p = Path(checkpoint).expanduser().resolve()
     for cand in (p, p / "learner" / "policy", p / "policy"):
         if (cand / "config.json").is_file():
             return cand
-    if any((d / ADAPTER_FILE).is_file() for d in (p, p / "learner")):
-        raise ValueError(
-            f"--checkpoint {checkpoint}: a learner.lora checkpoint holds only its LoRA adapter "
-            f"({ADAPTER_FILE}), no policy; evaluating one is not supported yet: resume training from it, or "
-            "evaluate a full fine-tuning checkpoint")
+    for d in (p, p / "learner"):
+        if (d / ADAPTER_FILE).is_file():
+            if cfg is None:
+                raise ValueError(
+                    f"--checkpoint {checkpoint}: a learner.lora checkpoint holds only its LoRA adapter "
+                    f"({ADAPTER_FILE}); its policy is merged from the run config's model and learner.lora: "
+                    "give the config it was trained with")
+            return merged_lora_policy(d, cfg)
     raise ValueError(
         f"--checkpoint {checkpoint}: no policy there (expected config.json in it, in learner/policy/ of a "
         "training checkpoint, or in policy/); training checkpoints live in <run_dir>/checkpoints/step-NNNNNN"
     )
+
+
+def merged_lora_policy(learner_dir: Path, cfg: Any) -> Path:
+    """<learner_dir>/merged_policy: the config's model with the adapter of `learner_dir` merged in
+    (W + (alpha / rank) B A, rl/learner/lora.py `merged_state_dict`), saved as a plain checkpoint the
+    rollout engines load; built once (a COMPLETE marker), refused when `cfg`'s learner.lora is not the one
+    the adapter was written with."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from rl.learner.learner import ADAPTER_FILE, STATE_FILE
+    from rl.learner.lora import apply_lora, load_adapter_state_dict, merged_state_dict
+    from rl.policy import PolicySpec, build_policy
+
+    out = learner_dir / "merged_policy"
+    if (out / "COMPLETE").is_file():
+        return out
+    state = torch.load(learner_dir / STATE_FILE, map_location="cpu", weights_only=False)
+    saved = state.get("learner_config", {}).get("lora")
+    lora = cfg.learner.lora
+    if lora is None or saved != lora.model_dump(mode="json"):
+        raise ValueError(
+            f"{learner_dir}: its adapter was written with learner.lora {saved}, the config has "
+            f"{lora.model_dump(mode='json') if lora else None}: give the config the run was trained with")
+    spec = PolicySpec.from_config(cfg).replace(dtype="float32")
+    policy = apply_lora(build_policy(spec, train=False), lora)
+    load_adapter_state_dict(policy, load_file(str(learner_dir / ADAPTER_FILE)))
+    merged = merged_state_dict(policy)
+    base = build_policy(spec, train=False)
+    base.load_state_dict(merged)  # strict: the merged keys are exactly the base model's
+    shutil.rmtree(out, ignore_errors=True)
+    base.save_pretrained(out)
+    (out / "COMPLETE").write_text("merged from " + ADAPTER_FILE + "\n")
+    return out
 
 
 def evaluate_checkpoint(cfg: Any, checkpoint: str | Path, episodes: int, console: Console) -> dict[str, Any]:
@@ -153,7 +195,7 @@ def evaluate_checkpoint(cfg: Any, checkpoint: str | Path, episodes: int, console
     samples = eval_samples(cfg, episodes, o.eval_pass_k, o.eval_difficulties)
     settings = dataclasses.replace(
         WorkerSettings.from_config(cfg, store_dir=None),
-        checkpoint=str(policy_dir(checkpoint)),
+        checkpoint=str(policy_dir(checkpoint, cfg)),
         torch_threads=torch_threads(o.rollout_resources),
     )
     # no learner runs here: only the rollout workers' resources are asked for and checked
@@ -195,14 +237,14 @@ def cli_main(argv: list[str]) -> int:
         cfg = load_config(args.config, args.overrides)
         n = cfg.orchestrator.eval_episodes if args.episodes is None else args.episodes
         eval_samples(cfg, n, cfg.orchestrator.eval_pass_k)  # validates n against k
-        policy_dir(args.checkpoint)
+        policy_dir(args.checkpoint, cfg)
     except (ConfigError, ValueError) as e:
         err.print(f"odyssey eval: {e}", highlight=False, markup=False)
         return 2
     k = cfg.orchestrator.eval_pass_k
     console.print(
         f"odyssey eval: {n} sampled + {n // k} greedy episodes per difficulty, held-out {cfg.env.id} tasks, "
-        f"policy {policy_dir(args.checkpoint)}",
+        f"policy {policy_dir(args.checkpoint, cfg)}",
         highlight=False,
     )
     t0 = time.perf_counter()
