@@ -615,6 +615,9 @@ def test_math_verify_refuses_expressions_of_a_numeric_truth(math_verify):
     score = lambda text, truth: asyncio.run(math_verify.averify(text, truth)).score  # noqa: E731
     assert [t for t in RESTATED if score(t, "50") != 0.0] == []
     assert [t for t in STATED if score(t, "50") != 1.0] == []
+    hedged = ["\\boxed{49, 50, 51}", "\\boxed{\\{49,50\\}}", "\\boxed{50 \\pm 1}", "\\boxed{[49, 51]}",
+              "\\boxed{49 < x < 51}", "\\boxed{50 \\text{ or } 51}", "\\boxed{50}\\boxed{51}", "49 50 51"]
+    assert [t for t in hedged if score(t, "50") != 0.0] == []  # several candidates: none is the answer
     assert score("\\boxed{0.5}", "\\frac{1}{2}") == score("\\boxed{1/2}", "0.5") == 1.0
     assert score("\\boxed{\\frac{2}{4}}", "0.5") == score("\\boxed{1-0.5}", "0.5") == 0.0
     assert score("\\boxed{-7}", "-7") == score("\\boxed{1,234}", "1234") == 1.0
