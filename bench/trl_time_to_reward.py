@@ -287,12 +287,9 @@ def peft_config(lora: Any) -> Any:
     """peft.LoraConfig for TRL's `GRPOTrainer(peft_config=...)` with `learner.lora`'s rank, alpha, target
     modules and dropout (ours injects peft's LoRA layers with the same settings, rl/learner/lora.py), or None
     (full fine-tuning) when `lora` is None."""
-    if lora is None:
-        return None
-    from peft import LoraConfig
+    from rl.learner.lora import peft_lora_config
 
-    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
-                      lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM")  # fmt: skip
+    return None if lora is None else peft_lora_config(lora, task_type="CAUSAL_LM")
 
 
 def save_policy(model: Any, tok: Any, out_dir: Path) -> None:

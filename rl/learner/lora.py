@@ -60,14 +60,13 @@ def apply_lora(policy: nn.Module, lora, seed: int = 0) -> nn.Module:
         from rl.learner.lora_odyssey import apply_odyssey_lora
 
         return apply_odyssey_lora(policy, lora, seed)
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
 
     if not isinstance(policy, HFPolicy):
         raise ValueError(
             f"learner.lora applies to Hugging Face policies (model.hf_path) and Odyssey's model "
             f"(OdysseyForCausalLM), not {type(policy).__name__}. Remove learner.lora to fine-tune fully")
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
-                        lora_dropout=lora.dropout, bias="none")
+    config = peft_lora_config(lora)
     policy.requires_grad_(False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -75,6 +74,16 @@ def apply_lora(policy: nn.Module, lora, seed: int = 0) -> nn.Module:
     for name, p in policy.named_parameters():
         p.requires_grad_(is_adapter_key(name))
     return policy
+
+
+def peft_lora_config(lora, task_type: str | None = None):
+    """peft.LoraConfig of `learner.lora` (rank, alpha, target_modules, dropout; no bias adapters): the one our
+    HF policies take, and what a peer given the same section gets (TRL's `peft_config`, with
+    task_type="CAUSAL_LM")."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                      lora_dropout=lora.dropout, bias="none", task_type=task_type)
 
 
 def is_adapter_key(name: str) -> bool:
