@@ -127,15 +127,16 @@ class ExactMatch:
 _DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"  # 7, 1,234, 3.25, .5
 _DECIMAL = re.compile(rf"[+-]?(?:{_DIGITS})")
 _FRACTION = re.compile(r"([+-]?)(?:\\[dt]?frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+))")
-_SPACING = re.compile(r"\s+|\\[,;:! ]|~")
 
 
 def number_literal(extracted: str, percent: bool = False) -> bool:
     """Whether Math-Verify's extracted answer text is a number written as one: a decimal (`50`, `-3.5`,
     `1,234`) or a fraction in lowest terms (`\\frac{1}{2}`, `-3/4`; denominator > 1), with a trailing `%`
-    only when `percent` (the ground truth has one); spacing commands and spaces ignored. Not an expression
-    that evaluates to a number (`25 * 2`, `49+1`, `\\frac{100}{2}`, `-(-50)`, `\\sqrt{2500}`). Linear time."""
-    s = _SPACING.sub("", extracted)
+    only when `percent` (the ground truth has one); surrounding whitespace ignored. Not an expression that
+    evaluates to a number (`25 * 2`, `49+1`, `\\frac{100}{2}`, `-(-50)`, `\\sqrt{2500}`), and not digits
+    apart (`5 0`, `5\\,0`: Math-Verify reads them as a product, 0, or a mixed number, `1 2` = 3). Linear
+    time."""
+    s = extracted.strip()
     if percent:
         s = s.removesuffix("\\%").removesuffix("%")
     if _DECIMAL.fullmatch(s):

@@ -618,6 +618,8 @@ def test_math_verify_refuses_expressions_of_a_numeric_truth(math_verify):
     hedged = ["\\boxed{49, 50, 51}", "\\boxed{\\{49,50\\}}", "\\boxed{50 \\pm 1}", "\\boxed{[49, 51]}",
               "\\boxed{49 < x < 51}", "\\boxed{50 \\text{ or } 51}", "\\boxed{50}\\boxed{51}", "49 50 51"]
     assert [t for t in hedged if score(t, "50") != 0.0] == []  # several candidates: none is the answer
+    # digits apart: Math-Verify reads "5 0" as 5 * 0 and "1 2" as 3; "5 times 0?" -> "5 0" is a restatement
+    assert score("\\boxed{5 0}", "0") == score("\\boxed{5\\,0}", "0") == score("\\boxed{1 2}", "3") == 0.0
     assert score("\\boxed{0.5}", "\\frac{1}{2}") == score("\\boxed{1/2}", "0.5") == 1.0
     assert score("\\boxed{\\frac{2}{4}}", "0.5") == score("\\boxed{1-0.5}", "0.5") == 0.0
     assert score("\\boxed{-7}", "-7") == score("\\boxed{1,234}", "1234") == 1.0
