@@ -319,7 +319,7 @@ def trl_config(cfg: Any, out_dir: str, steps: int, micro_batch: int) -> Any:
     accumulate = ro.episodes // micro_batch
     return GRPOConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, max_steps=steps, seed=lc.seed, data_seed=lc.seed,
+        logging_steps=1, disable_tqdm=True, max_steps=steps, seed=ro.seed, data_seed=ro.seed,
         per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulate,
         steps_per_generation=accumulate, num_generations=lc.group_size, num_iterations=lc.ppo_epochs,
         max_completion_length=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
@@ -580,7 +580,7 @@ def learner_fairness(lc: Any) -> dict[str, Any]:
         "ppo_epochs = num_iterations": lc.ppo_epochs,
         "optimizer steps per generation batch": 1,
         "overlong_filter = mask_truncated_completions": lc.overlong_filter,
-        "seed": lc.seed,
+        "learner.seed (ours: model init, LoRA's A)": lc.seed,
         "lora (rank, alpha, target_modules, dropout)": None if lc.lora is None else [
             lc.lora.rank, lc.lora.alpha, list(lc.lora.target_modules), lc.lora.dropout,
             "peft LoRA layers on both (ours: injected into the trunk, rl/learner/lora.py; TRL: peft_config); "
@@ -604,6 +604,7 @@ def fairness(cfg: Any, trl_threads: int) -> dict[str, Any]:
         "episodes = generation batch": ro.episodes,
         "max_new_tokens = max_completion_length": ro.max_new_tokens,
         "temperature / top_p / top_k": [ro.temperature, ro.top_p, ro.top_k],
+        "rollout.seed = GRPOConfig.seed (--seed: ours' task and sampling seeds, TRL's torch seed)": ro.seed,
         **learner_fairness(lc),
         "torch_threads": f"TRL {trl_threads} in one process; ours 1 per rollout worker and per learner (see "
         "odyssey.torch_threads)",

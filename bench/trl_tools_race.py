@@ -560,12 +560,27 @@ def train_trl(
 # ---------------------------------------------------------------- our side
 
 
+def train_trl_in_child(argv: list[str], results: Path) -> dict[str, Any]:
+    """This bench with `argv` (this command's arguments) + `--trl-only --results RESULTS` in a child process
+    -> its TRL record; the child's results file stays at `results`. For a TRL side run before ours
+    (--order trl-first): run in this process, TRL left about 5 GB resident (Python and glibc keep freed
+    memory), and Ray's OOM monitor then killed ours' learner on a 24 GB machine (2026-12-07)."""
+    import subprocess
+
+    results.unlink(missing_ok=True)
+    me = str(Path(__file__).resolve())
+    cmd = [sys.executable, me, *argv, "--trl-only", "--results", str(results)]
+    done = subprocess.run(cmd, check=False)
+    if done.returncode != 0 or not results.is_file():
+        raise RuntimeError(f"the TRL side failed (exit {done.returncode}): {' '.join(cmd)}")
+    return json.loads(results.read_text())["trl"]
+
+
 def train_ours(cfg: Any) -> dict[str, Any]:
     """`odyssey train` of `cfg` (rl.train.loop.Trainer, as bench/learning.py's `run` starts it; progress on
     stdout) -> record with per-step tokens and times (bench/trl_time_to_reward.py's `read_run`)."""
     from rich.console import Console
 
-    from rl.placement import torch_threads
     from rl.train.loop import Trainer
 
     run_dir = Path(cfg.logging.run_dir)
@@ -573,7 +588,14 @@ def train_ours(cfg: Any) -> dict[str, Any]:
         shutil.rmtree(run_dir)
     t0 = time.perf_counter()
     Trainer(cfg, console=Console(file=sys.stdout, force_terminal=False)).run()
-    wall = time.perf_counter() - t0
+    return record_ours(cfg, time.perf_counter() - t0)
+
+
+def record_ours(cfg: Any, wall: float) -> dict[str, Any]:
+    """The record of our finished run in `cfg`'s run dir (metrics.jsonl), `wall` seconds with startup."""
+    from rl.placement import torch_threads
+
+    run_dir = Path(cfg.logging.run_dir)
     if not (run_dir / "eval.jsonl").exists():  # eval_every 0: no evaluations, an empty record of them
         (run_dir / "eval.jsonl").write_text("")
     rec = read_run(run_dir, cfg.orchestrator.eval_pass_k)
@@ -789,15 +811,18 @@ def main() -> int:
                 "thread(s)",
                 flush=True,
             )
-            sides["trl"] = train_trl(
-                cfg,
-                trl_model,
-                args.steps,
-                args.trl_threads,
-                args.out / "trl",
-                args.trl_micro_batch,
-                tiny_model=args.smoke,
-            )
+            if n < len(order) - 1:  # ours follows: TRL in a child process, so its memory is gone by then
+                sides["trl"] = train_trl_in_child(sys.argv[1:], args.out / "trl_side.json")
+            else:
+                sides["trl"] = train_trl(
+                    cfg,
+                    trl_model,
+                    args.steps,
+                    args.trl_threads,
+                    args.out / "trl",
+                    args.trl_micro_batch,
+                    tiny_model=args.smoke,
+                )
         else:
             print(f"ours: odyssey train, {args.steps} steps x {cfg.rollout.episodes} episodes", flush=True)
             sides["odyssey"] = train_ours(cfg)

@@ -9,7 +9,6 @@ import copy
 import inspect
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -241,14 +240,13 @@ def test_trl_renders_our_prompt_ids_and_parses_our_call_format(derived, tmp_path
 
 @pytest.mark.slow
 def test_smoke_run_trains_trl_with_the_tool_loop(derived, tmp_path):
+    """The --smoke run, through `train_trl_in_child` (how a TRL-first race runs its TRL side: the bench again
+    in a child process): the child's results file and the record handed back."""
     out = tmp_path / "results.json"
-    res = subprocess.run([sys.executable, "bench/trl_tools_race.py", "--smoke", "--out", str(tmp_path / "o"),
-                          "--results", str(out), "--trl-threads", "1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    trl = race.train_trl_in_child(["--smoke", "--out", str(tmp_path / "o"), "--trl-threads", "1"], out)
     r = json.loads(out.read_text())
     assert r["smoke"] is True and r["odyssey"] is None and r["trl"]["tiny_random_model"] is True
-    trl = r["trl"]
+    assert trl == r["trl"]
     assert trl["prompt_ids_equal"] == trl["prompts"] == 2  # 1 task a step (8 episodes = 1 group), 2 steps
     assert [s["step"] for s in trl["steps"]] == [1, 2]
     for s in trl["steps"]:
