@@ -142,3 +142,14 @@ def test_trl_record_from_an_earlier_race_is_reused_only_for_the_same_cell(tmp_pa
     record = tmp_path / "trl_record.json"  # a plain training record: evaluated afterwards, returned as is
     record.write_text(json.dumps({"steps": [], "checkpoints": []}))
     assert ttr.adopted_trl(record, args) == {"steps": [], "checkpoints": []}
+
+
+def test_trl_is_seeded_by_the_race_seed_not_learner_seed(tmp_path):
+    """--seed sets rollout.seed; TRL's GRPOConfig.seed must follow it (it once followed learner.seed, 0 in
+    every cell, so every seed replayed TRL's seed-0 training)."""
+    from bench.trl_time_to_reward import trl_config
+    from rl.config.loader import load_config
+
+    cfg = load_config("configs/smollm2_arith_qa.yaml", ["rollout.seed=3", "learner.seed=0"])
+    args = trl_config(cfg, str(tmp_path), 2, cfg.rollout.episodes)
+    assert args.seed == 3 and args.data_seed == 3
