@@ -11,7 +11,8 @@ The cell is bench/learning.py's `smollm2-arith` family, variant `grpo_pretrained
 peft's LoRA layers, TRL gets the same `peft.LoraConfig` as `peft_config`; TRL's policies are saved merged)
 (configs/smollm2_arith_qa.yaml: dataset-qa on examples/arith_words/arith_words.jsonl, 64 rows held out,
 math-verify, GRPO groups of 8, 32 episodes a step, 128 new tokens, T = 1). The results file holds the latest
-race in full and every race's summary in "runs".
+race in full and every race's summary in "runs". With --order trl-first the TRL side runs in a child process
+(this bench again with --trl-only --results OUT/trl_side.json), so its memory is gone before ours trains.
 
 Ours: bench/learning.py's `run` trains the cell (`odyssey train`, Ray, async with the config's
 max_staleness) and evaluates every --eval-every steps in training; `--odyssey-run DIR` records a finished run
@@ -637,6 +638,22 @@ def side_summary(curve: list[dict[str, Any]], steps: list[dict[str, Any]], targe
     }
 
 
+def train_trl_in_child(script: Path, argv: list[str], results: Path) -> dict[str, Any]:
+    """The bench `script` with `argv` (this command's arguments) + `--trl-only --results RESULTS` in a child
+    process -> its TRL record; the child's results file stays at `results`. For a TRL side run before ours
+    (--order trl-first): run in the bench process, TRL left about 5 GB resident (Python and glibc keep freed
+    memory), and Ray's OOM monitor then killed ours' learner on a 24 GB machine (2026-12-07, tools race)."""
+    import subprocess
+
+    results.unlink(missing_ok=True)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(Path(script).resolve()), *argv, "--trl-only", "--results", str(results)]
+    done = subprocess.run(cmd, check=False)
+    if done.returncode != 0 or not results.is_file():
+        raise RuntimeError(f"the TRL side failed (exit {done.returncode}): {' '.join(cmd)}")
+    return json.loads(results.read_text())["trl"]
+
+
 def run_record(result: dict[str, Any]) -> dict[str, Any]:
     """One race's cell, order, summary and machine record: what `runs` keeps of every race."""
     keys = ("cell", "order", "smoke", "finished_utc", "summary", "machine", "notes_added_after_run")
@@ -653,7 +670,8 @@ def earlier_runs(path: Path) -> list[dict[str, Any]]:
     return [r for r in runs if not r.get("smoke")]
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (`argv`, default sys.argv[1:]) -> its arguments, --smoke's settings applied."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=10)
@@ -716,7 +734,13 @@ def main() -> int:
         "results go to bench/results/trl_time_to_reward_smoke.json (smoke: true)",
     )
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_trl_ttr")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help=f"results file (default {RESULTS.relative_to(ROOT)}; --smoke: {SMOKE_RESULTS.name} beside it)",
+    )
+    args = ap.parse_args(argv)
     if args.smoke:
         args.steps, args.eval_every, args.eval_episodes, args.trl_only = 2, 2, args.eval_episodes or 4, True
         args.override = ["rollout.num_workers=1", *args.override]
@@ -730,6 +754,12 @@ def main() -> int:
     args.odyssey_eval_every = args.odyssey_eval_every or args.eval_every
     if args.steps < 2 or args.eval_every < 1:
         ap.error("--steps must be >= 2 and --eval-every >= 1")
+    args.results = args.results or (SMOKE_RESULTS if args.smoke else RESULTS)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     cfg = cell_config(args.steps, args.eval_every, args.eval_episodes, args.seed, args.override, args.variant)
     check_mappable(cfg)
     threads = args.trl_threads or len(os.sched_getaffinity(0))
@@ -743,6 +773,9 @@ def main() -> int:
             if args.trl_record:  # a finished TRL training of this cell (its checkpoints kept beside it)
                 trl = adopted_trl(args.trl_record, args)
                 print(f"TRL: reusing the training recorded in {args.trl_record}", flush=True)
+            elif side != order[-1] and not args.trl_only:  # ours follows: TRL's memory gone by then
+                print(f"TRL: {args.steps} steps on {threads} torch thread(s), in a child process", flush=True)
+                trl = train_trl_in_child(Path(__file__), sys.argv[1:], args.out / "trl_side.json")
             else:
                 print(f"TRL: {args.steps} steps on {threads} torch thread(s)", flush=True)
                 trl = train_trl(cfg, args.steps, args.eval_every, threads, trl_dir, args.trl_micro_batch)
@@ -801,7 +834,7 @@ def main() -> int:
         "machine": machine_record(load0, t_all),
     }
     result["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    path = SMOKE_RESULTS if args.smoke else RESULTS
+    path = args.results
     result["runs"] = [*earlier_runs(path), run_record(result)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
@@ -821,7 +854,7 @@ def main() -> int:
         print(f"race {c['variant']} seed {c['seed']} {'-then-'.join(r['order'])}: time-to-reward TRL/ours "
               f"{sm.get('time_to_reward_ratio_trl_over_ours')}, tokens_all/s ours/TRL "
               f"{sm.get('ratio_ours_over_trl_tokens_all_per_s')}")
-    print(f"wrote {path.relative_to(ROOT)}" + (" (smoke run)" if args.smoke else ""))
+    print(f"wrote {path}" + (" (smoke run)" if args.smoke else ""))
     return 0
 
 

@@ -83,6 +83,7 @@ from bench.trl_time_to_reward import (  # noqa: E402
     peft_config,
     rates,
     read_run,
+    train_trl_in_child,
     trl_config,
 )
 
@@ -560,22 +561,6 @@ def train_trl(
 # ---------------------------------------------------------------- our side
 
 
-def train_trl_in_child(argv: list[str], results: Path) -> dict[str, Any]:
-    """This bench with `argv` (this command's arguments) + `--trl-only --results RESULTS` in a child process
-    -> its TRL record; the child's results file stays at `results`. For a TRL side run before ours
-    (--order trl-first): run in this process, TRL left about 5 GB resident (Python and glibc keep freed
-    memory), and Ray's OOM monitor then killed ours' learner on a 24 GB machine (2026-12-07)."""
-    import subprocess
-
-    results.unlink(missing_ok=True)
-    me = str(Path(__file__).resolve())
-    cmd = [sys.executable, me, *argv, "--trl-only", "--results", str(results)]
-    done = subprocess.run(cmd, check=False)
-    if done.returncode != 0 or not results.is_file():
-        raise RuntimeError(f"the TRL side failed (exit {done.returncode}): {' '.join(cmd)}")
-    return json.loads(results.read_text())["trl"]
-
-
 def train_ours(cfg: Any) -> dict[str, Any]:
     """`odyssey train` of `cfg` (rl.train.loop.Trainer, as bench/learning.py's `run` starts it; progress on
     stdout) -> record with per-step tokens and times (bench/trl_time_to_reward.py's `read_run`)."""
@@ -812,7 +797,7 @@ def main() -> int:
                 flush=True,
             )
             if n < len(order) - 1:  # ours follows: TRL in a child process, so its memory is gone by then
-                sides["trl"] = train_trl_in_child(sys.argv[1:], args.out / "trl_side.json")
+                sides["trl"] = train_trl_in_child(Path(__file__), sys.argv[1:], args.out / "trl_side.json")
             else:
                 sides["trl"] = train_trl(
                     cfg,

@@ -153,3 +153,18 @@ def test_trl_is_seeded_by_the_race_seed_not_learner_seed(tmp_path):
     cfg = load_config("configs/smollm2_arith_qa.yaml", ["rollout.seed=3", "learner.seed=0"])
     args = trl_config(cfg, str(tmp_path), 2, cfg.rollout.episodes)
     assert args.seed == 3 and args.data_seed == 3
+
+
+def test_trl_first_child_command_parses_as_a_trl_only_race_of_the_same_cell(tmp_path):
+    """A TRL-first race hands its own arguments + --trl-only --results to a child (`train_trl_in_child`, run
+    for real by tests/test_bench_trl_tools_race.py's smoke test): the child must parse them as the same cell,
+    TRL only, writing to the child's results file, never to the race's."""
+    race = ["--seed", "2", "--order", "trl-first", "--variant", "grpo_pretrained_lora", "--steps", "20",
+            "--odyssey-steps", "40", "--out", str(tmp_path)]  # fmt: skip
+    parent = ttr.parse_args(race)
+    child = ttr.parse_args([*race, "--trl-only", "--results", str(tmp_path / "trl_side.json")])
+    assert (parent.trl_only, parent.results) == (False, ttr.RESULTS)
+    assert (child.trl_only, child.results) == (True, tmp_path / "trl_side.json")
+    for k in ("seed", "variant", "steps", "eval_every", "eval_episodes", "trl_threads", "trl_micro_batch"):
+        assert getattr(child, k) == getattr(parent, k), k
+    assert ttr.parse_args(["--smoke"]).results == ttr.SMOKE_RESULTS

@@ -243,7 +243,8 @@ def test_smoke_run_trains_trl_with_the_tool_loop(derived, tmp_path):
     """The --smoke run, through `train_trl_in_child` (how a TRL-first race runs its TRL side: the bench again
     in a child process): the child's results file and the record handed back."""
     out = tmp_path / "results.json"
-    trl = race.train_trl_in_child(["--smoke", "--out", str(tmp_path / "o"), "--trl-threads", "1"], out)
+    argv = ["--smoke", "--out", str(tmp_path / "o"), "--trl-threads", "1"]
+    trl = race.train_trl_in_child(Path(race.__file__), argv, out)
     r = json.loads(out.read_text())
     assert r["smoke"] is True and r["odyssey"] is None and r["trl"]["tiny_random_model"] is True
     assert trl == r["trl"]
