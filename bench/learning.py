@@ -67,6 +67,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,8 +171,10 @@ def run(
     out: Path,
     eval_every: int = 0,
     adopt: Path | None = None,
+    extra: Sequence[str] = (),
 ) -> dict:
-    """Train one cell (family, variant, seed) and return its record. `adopt`: instead of training, record the
+    """Train one cell (family, variant, seed) and return its record; `extra`: config overrides after the
+    cell's (recorded in "overrides"). `adopt`: instead of training, record the
     run in that directory, after checking its config.yaml is this cell's (run_dir and checkpoint_every aside):
     `odyssey train <config> <same overrides>` by hand gives the same record. With a constant learning-rate
     schedule nothing in steps 1..N depends on learner.steps, so a longer (or still running) run is adopted
@@ -194,6 +197,7 @@ def run(
         "orchestrator.checkpoint_every=0",
         *VARIANTS[variant],
         *fam.overrides,
+        *extra,
     ]
     cfg = load_config(str(ROOT / fam.config), overrides)
     if adopt is not None:  # a run of exactly this cell trained outside the bench (or a longer one, see below)
@@ -231,7 +235,7 @@ def run(
     rec = {
         "family": family,
         "variant": variant,
-        "overrides": [*VARIANTS[variant], *fam.overrides],
+        "overrides": [*VARIANTS[variant], *fam.overrides, *extra],
         "seed": seed,
         "steps": steps,
         "eval_episodes": eval_episodes,

@@ -491,13 +491,19 @@ def adopted_trl(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {**data["trl"], "adopted_from": f"{path} (race finished {data.get('finished_utc')})"}
 
 
+def ours_overrides(args: argparse.Namespace) -> list[str]:
+    """Config overrides ours runs the cell with: --normaliser trl (the default) counts the all-equal groups
+    ours drops in the loss normaliser, as TRL's dapo loss counts the zero-advantage groups it trains."""
+    return ["learner.equal_groups_in_normaliser=true"] if args.normaliser == "trl" else []
+
+
 def odyssey_side(cfg: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Train (or adopt, --odyssey-run) bench/learning.py's cell, and read its run dir (`read_run`)."""
     from bench.learning import run
     from rl.placement import torch_threads
 
     rec = run(FAMILY, args.variant, args.seed, args.odyssey_steps, cfg.orchestrator.eval_episodes, out,
-              args.odyssey_eval_every, adopt=args.odyssey_run)  # fmt: skip
+              args.odyssey_eval_every, adopt=args.odyssey_run, extra=ours_overrides(args))  # fmt: skip
     run_dir = args.odyssey_run or out / FAMILY / f"{args.variant}_seed{args.seed}"
     o = cfg.orchestrator
     return {
@@ -578,6 +584,8 @@ def learner_fairness(lc: Any) -> dict[str, Any]:
         "kl_coef = beta": lc.kl_coef,
         "scale_rewards": lc.scale_rewards,
         "loss_agg -> loss_type": [lc.loss_agg, LOSS_TYPES[lc.loss_agg]],
+        "equal_groups_in_normaliser (ours; TRL's normaliser counts every group it trains)":
+            lc.equal_groups_in_normaliser,
         "ppo_epochs = num_iterations": lc.ppo_epochs,
         "optimizer steps per generation batch": 1,
         "overlong_filter = mask_truncated_completions": lc.overlong_filter,
@@ -616,8 +624,10 @@ def fairness(cfg: Any, trl_threads: int) -> dict[str, Any]:
 DIFFERENCES = [
     "ours is async (episodes may lag the learner by orchestrator.max_staleness versions); TRL is on-policy "
     "and sequential",
-    "ours drops all-tie groups from the loss and its token mean; TRL trains them at advantage 0 (its "
-    "token-mean denominator includes their tokens)",
+    "ours drops all-tie groups from the batch; TRL trains them at advantage 0 (policy term 0; with beta 0 "
+    "and no entropy bonus nothing else): the same loss when ours counts their tokens in its token mean "
+    "(cell.normaliser 'trl', learner.equal_groups_in_normaliser); with 'dapo' ours' normaliser is the kept "
+    "groups' tokens only, a larger gradient on steps with many ties",
     "ours applies a truncated IS correction between rollout and learner log-probs (learner.tis_cap); TRL's "
     "HF generate path has none (old log-probs = current ones)",
     "ours generates with TorchEngine in separate worker processes; TRL with HF generate in the trainer "
@@ -697,6 +707,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--odyssey-eval-every", type=int, default=None, help="our evaluation interval (default --eval-every)"
     )
     ap.add_argument("--odyssey-run", type=Path, help="a finished run of the cell (eval.jsonl, metrics.jsonl)")
+    ap.add_argument(
+        "--normaliser",
+        choices=("trl", "dapo"),
+        default="trl",
+        help="ours' token-mean normaliser: trl = every group's tokens, the all-equal groups ours drops "
+        "included, as TRL's dapo loss counts them (learner.equal_groups_in_normaliser); dapo = the trained "
+        "groups' only (ours' default; every race before 2026-12-07 07:00 UTC)",
+    )
     ap.add_argument("--trl-only", action="store_true", help="run the TRL side only")
     ap.add_argument(
         "--trl-record",
@@ -760,7 +778,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    cfg = cell_config(args.steps, args.eval_every, args.eval_episodes, args.seed, args.override, args.variant)
+    cfg = cell_config(args.steps, args.eval_every, args.eval_episodes, args.seed,
+                      [*ours_overrides(args), *args.override], args.variant)
     check_mappable(cfg)
     threads = args.trl_threads or len(os.sched_getaffinity(0))
     load0 = list(os.getloadavg())
@@ -821,6 +840,7 @@ def main() -> int:
             "eval_every": args.eval_every,
             "odyssey_steps": args.odyssey_steps,
             "odyssey_eval_every": args.odyssey_eval_every,
+            "normaliser": args.normaliser,
             "trl_adopted_from": trl.get("adopted_from"),
             "eval_episodes": cfg.orchestrator.eval_episodes,
             "trl_overrides": args.override,

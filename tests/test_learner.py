@@ -164,6 +164,24 @@ def test_all_groups_dropped_means_no_update(batch):
     assert torch.equal(before, _params(learner))
 
 
+def test_equal_groups_in_normaliser_scales_the_step_by_the_kept_token_share(batch):
+    """learner.equal_groups_in_normaliser through Learner.step: group g1 made all-equal is dropped either
+    way; with the option its scored tokens join the token mean's N, so loss and gradient are those of the
+    plain step times kept / (kept + tied) tokens (every weight 1/N; the forward is the same)."""
+    trajs = copy.deepcopy(batch)
+    for t in trajs[4:]:
+        t.rewards = {"total": 1.0}
+    tied = sum(int(np.count_nonzero(t.loss_mask[1:])) for t in trajs[4:])
+    kept = sum(int(np.count_nonzero(t.loss_mask[1:])) for t in trajs[:4])
+    plain = Learner(small_config(grad_clip=1e9)).step(trajs)
+    counted = Learner(small_config(grad_clip=1e9, equal_groups_in_normaliser=True)).step(trajs)
+    assert plain["learner/equal_groups"] == counted["learner/equal_groups"] == 1
+    assert plain["learner/equal_group_tokens"] == counted["learner/equal_group_tokens"] == tied
+    share = kept / (kept + tied)
+    assert counted["grad_norm"] == pytest.approx(plain["grad_norm"] * share, rel=1e-5)
+    assert counted["loss"] == pytest.approx(plain["loss"] * share, rel=1e-5, abs=1e-9)
+
+
 def test_save_and_load_resume_exactly(batch, tmp_path):
     cfg = small_config(lr=1e-3, kl_coef=0.05)
     a = Learner(cfg)

@@ -198,3 +198,97 @@ def test_raft_trains_each_groups_best_successes_with_one_unit_of_weight_per_grou
     adv = {s.index: set(s.advantages.tolist()) for s in prepared.samples}
     assert adv == {0: {1 / 3}, 1: {1 / 3}, 2: {1 / 3}, 3: {0.5}, 5: {0.5}, 7: {1.0}}
     assert prepared.metrics["learner/below_best"] == 1.0
+
+
+def _varied_group(rewards, group, lengths):
+    """A group of one-turn trajectories with the given completion lengths (scored tokens differ per member,
+    so token and episode normalisers differ)."""
+    return [_scored(make_traj([("prompt", 3), ("assistant", n)], seed=50 + 7 * i + len(group)), r, [0.0],
+                    group_id=group, tokenizer="fp-ok")
+            for i, (r, n) in enumerate(zip(rewards, lengths))]  # fmt: skip
+
+
+LOSS_AGGS_TRL = [("token_mean", "dapo"), ("seq_mean_token_mean", "grpo"), ("seq_mean_token_sum", "dr_grpo")]
+
+
+@pytest.mark.parametrize("loss_agg,trl_type", LOSS_AGGS_TRL)
+def test_equal_groups_in_normaliser_is_trls_loss_over_every_group(loss_agg, trl_type):
+    """TRL trains an all-equal group at advantage 0, so its tokens and episodes count in the loss normaliser.
+    Ours drops the group from the batch; with learner.equal_groups_in_normaliser they still count, through
+    selection -> prepare_batch -> plan_step. Oracle: TRL's own `_compute_loss` over every group (the tied
+    rows at advantage 0) equals ours' loss over the kept groups, value and gradient within 1e-9. Without the
+    option ours' normaliser is the kept groups' only (a larger loss)."""
+    from rl.learner.losses import aggregation_weights, objective
+    from rl.learner.sharding import plan_step
+    from tests.trl_oracle import trl_loss
+
+    batch = (_varied_group([1.0, 0.0, 0.5, 0.0], "a", [4, 2, 6, 3])
+             + _varied_group([1.0, 1.0, 1.0, 1.0], "tied", [5, 1, 7, 2])
+             + _varied_group([0.0, 2.0, 0.0, 1.0], "b", [3, 8, 2, 4]))  # fmt: skip
+    max_tokens = 16
+    lc = LearnerSection(group_size=4, routing_replay=False, loss_agg=loss_agg)
+    prepared = prepare_batch(batch, FACTS, lc.model_copy(update={"equal_groups_in_normaliser": True}))
+    tied_scored = [int(np.count_nonzero(t.loss_mask[1:])) for t in batch[4:8]]
+    assert (prepared.extra_tokens, prepared.extra_episodes) == (sum(tied_scored), 4)
+    assert prepared.metrics["learner/equal_group_tokens"] == sum(tied_scored)
+    assert sorted(s.index for s in prepared.samples) == [0, 1, 2, 3, 8, 9, 10, 11]
+    plain = prepare_batch(batch, FACTS, lc)
+    assert (plain.extra_tokens, plain.extra_episodes) == (0, 0)
+    assert plain.metrics["learner/equal_group_tokens"] == sum(tied_scored)  # measured either way
+
+    # TRL's padded layout over all 12 trajectories; the tied rows at advantage 0
+    scored = {s.index: s.n_scored for s in prepared.samples} | dict(zip(range(4, 8), tied_scored))
+    B, T = len(batch), max(scored.values())
+    g = torch.Generator().manual_seed(3)
+    mask = (torch.arange(T)[None] < torch.tensor([scored[i] for i in range(B)])[:, None]).long()
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logp = (old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).requires_grad_(True)
+    adv = torch.zeros(B, dtype=torch.float64)
+    for s in prepared.samples:
+        assert len(set(s.advantages.tolist())) == 1
+        adv[s.index] = float(s.advantages[0])
+    ref_loss = trl_loss(trl_type, logp, old, adv, mask, eps_low=0.2, eps_high=0.28,
+                        max_completion_length=max_tokens)
+
+    def our_loss(p):
+        (plan,) = plan_step(p.samples, 1, 1, 0, p.extra_tokens, p.extra_episodes)
+        (ids,) = plan.minibatches
+        rows = torch.tensor(ids)
+        seq_tokens = torch.tensor([scored[i] for i in ids])
+        seq = torch.repeat_interleave(torch.arange(len(ids)), seq_tokens)
+        tok = mask[rows].bool()
+        n_tokens, n_episodes = plan.n_tokens[0], plan.n_episodes[0]
+        c = aggregation_weights(loss_agg, seq, seq_tokens, n_episodes, n_tokens, max_tokens)
+        loss, _ = objective(logp[rows][tok], old[rows][tok], adv[rows][seq], seq, seq_tokens, c, n_tokens,
+                            clip_eps_low=0.2, clip_eps_high=0.28)
+        return loss
+
+    ours = our_loss(prepared)
+    assert abs(float(ours) - float(ref_loss)) <= 1e-9 * max(1.0, abs(float(ref_loss)))
+    g_ours, = torch.autograd.grad(ours, logp, retain_graph=True)
+    g_trl, = torch.autograd.grad(ref_loss, logp, retain_graph=True)
+    assert (g_ours - g_trl).abs().max().item() <= 1e-9 and g_trl.abs().max() > 0
+    assert g_trl[4:8].abs().max() == 0  # TRL's tied rows carry no gradient: only the normaliser differs
+    dapo = our_loss(plain)  # kept groups only: every weight larger by (kept + tied) / kept
+    assert abs(float(dapo)) > abs(float(ours)) * 1.05
+    # two minibatches: each gets the extra in proportion to its own tokens / episodes, summing to the step's
+    plans = plan_step(prepared.samples, 2, 1, 0, prepared.extra_tokens, prepared.extra_episodes)[0]
+    kept_tokens = sum(s.n_scored for s in prepared.samples)
+    assert sum(plans.n_tokens) == pytest.approx(kept_tokens + sum(tied_scored), abs=1e-9)
+    assert sum(plans.n_episodes) == pytest.approx(8 + 4, abs=1e-9)
+    by_index = {s.index: s for s in prepared.samples}
+    scale = 1 + sum(tied_scored) / kept_tokens
+    for ids, n in zip(plans.minibatches, plans.n_tokens):
+        assert n == pytest.approx(sum(by_index[i].n_scored for i in ids) * scale)
+
+
+def test_equal_groups_in_normaliser_needs_a_grouped_estimator():
+    from rl.config import load_config
+    from rl.config.schema import ConfigError
+
+    want = r"learner.equal_groups_in_normaliser .*gae has none to count: remove it, or use grpo/rloo"
+    with pytest.raises(ConfigError, match=want):
+        load_config("configs/tiny.yaml", ["learner.advantage=gae", "learner.group_size=1",
+                                          "learner.equal_groups_in_normaliser=true"])
+    cfg = load_config("configs/tiny.yaml", ["learner.equal_groups_in_normaliser=true"])
+    assert cfg.learner.equal_groups_in_normaliser

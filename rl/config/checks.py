@@ -80,6 +80,11 @@ def _budget_problems(c: RunConfig) -> list[str]:
             f"({lr.group_size}) for {lr.advantage}; e.g. rollout.episodes={fit}"
         )
     out += est.problems(c) if est is not None else []
+    if lr.equal_groups_in_normaliser and est is not None and (not est.grouped or est.successes_only):
+        out.append(
+            "learner.equal_groups_in_normaliser counts the all-equal groups grpo/rloo drop; "
+            f"learner.advantage={lr.advantage} has none to count: remove it, or use grpo/rloo"
+        )
     out += _context_parallel_problems(lr)
     if lr.critic_preset is not None:
         if not _critic(lr):

@@ -142,6 +142,9 @@ class LearnerSection(_Section):
     entropy_coef: float = Field(0.0, ge=0.0)
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
     overlong_filter: bool = False  # DAPO: truncated episodes are kept out of the loss
+    # grpo/rloo: the loss normalisers (N tokens, E episodes) also count the all-equal groups dropped from the
+    # loss, as TRL's GRPOTrainer does (it trains them at advantage 0); false: DAPO, kept groups only
+    equal_groups_in_normaliser: bool = False
     tis_cap: float | None = Field(2.0, gt=0.0)  # truncated IS weight cap (rollout vs learner); None = off
     mis_band: list[float] | None = None  # [lo, hi]: mask where the learner/rollout ratio leaves the band
     mis_level: Literal["token", "sequence"] = "token"  # what mis_band masks: single tokens or whole episodes

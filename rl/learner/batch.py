@@ -90,8 +90,13 @@ class Sample:
 
 @dataclass
 class PreparedBatch:
+    """samples: the trained ones; extra_tokens / extra_episodes: scored tokens / episodes the loss normalisers
+    count beyond the samples' (learner.equal_groups_in_normaliser: the dropped all-equal groups; else 0)."""
+
     samples: list[Sample]
     metrics: dict[str, float] = field(default_factory=dict)
+    extra_tokens: int = 0
+    extra_episodes: int = 0
 
 
 def check_tokenizer(traj: Trajectory, index: int, facts: ModelFacts) -> None:
@@ -265,6 +270,8 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
             s.rewards = episode_token_rewards(t, s.scored)
     kept_rewards = [trajs[s.index].rewards["total"] for s in samples]
     metrics = {f"learner/{k}": float(v) for k, v in sel.counts.items()}
+    equal_tokens = sum(int(np.count_nonzero(trajs[i].loss_mask[1:])) for i in sel.equal)  # as to_sample
+    metrics["learner/equal_group_tokens"] = float(equal_tokens)
     metrics.update(
         {
             "learner/trajectories": float(len(trajs)),
@@ -278,7 +285,9 @@ def prepare_batch(trajs: Sequence[Trajectory], facts: ModelFacts, lcfg) -> Prepa
         metrics.update(
             {"learner/advantage_mean": float(a.mean()), "learner/advantage_abs_max": float(np.abs(a).max())}
         )
-    return PreparedBatch(samples=samples, metrics=metrics)
+    if not lcfg.equal_groups_in_normaliser:
+        return PreparedBatch(samples=samples, metrics=metrics)
+    return PreparedBatch(samples, metrics, extra_tokens=equal_tokens, extra_episodes=len(sel.equal))
 
 
 __all__ = [

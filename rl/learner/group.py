@@ -182,7 +182,7 @@ class LearnerGroup:
         batch = prepare_batch(trajectories, self.facts, lc)
         R = lc.context_parallel  # the ranks of a context-parallel group share one plan
         plans = plan_step(batch.samples, lc.num_minibatches, self.world_size // R,
-                          lc.seed + self.policy_steps)
+                          lc.seed + self.policy_steps, batch.extra_tokens, batch.extra_episodes)
         by_index = {s.index: s for s in batch.samples}
         refs = [
             rank.update.remote([by_index[i] for i in plans[r // R].sample_indices()], plans[r // R],

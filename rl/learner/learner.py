@@ -266,7 +266,8 @@ class Learner:
         """One policy step on a batch of scored trajectories -> metrics (at least loss, grad_norm, tokens).
         Single rank; a LearnerGroup calls `prepare` on the driver and `update` on every rank instead."""
         batch = self.prepare(trajectories)
-        plan = plan_step(batch.samples, self.lc.num_minibatches, 1, self.lc.seed + self.policy_steps)[0]
+        plan = plan_step(batch.samples, self.lc.num_minibatches, 1, self.lc.seed + self.policy_steps,
+                         batch.extra_tokens, batch.extra_episodes)[0]
         return self.update(batch.samples, plan, batch.metrics)
 
     def prepare(self, trajectories: Sequence[Trajectory]) -> PreparedBatch:
@@ -594,8 +595,8 @@ class Learner:
     def _optimizer_step(
         self,
         samples: list[Sample],
-        n_tokens: int,
-        n_episodes: int,
+        n_tokens: float,
+        n_episodes: float,
         fused_old: bool,
         first_epoch: bool,
         routing: bool,
@@ -618,8 +619,8 @@ class Learner:
     def accumulate(
         self,
         samples: Sequence[Sample],
-        n_tokens: int,
-        n_episodes: int,
+        n_tokens: float,
+        n_episodes: float,
         fused_old: bool = True,
         first_epoch: bool = True,
         routing: bool = False,
@@ -659,8 +660,8 @@ class Learner:
     def backward_micro_batch(
         self,
         mb: MicroBatch,
-        n_tokens: int,
-        n_episodes: int,
+        n_tokens: float,
+        n_episodes: float,
         *,
         sync: bool = True,
         fused_old: bool = True,
@@ -724,8 +725,8 @@ class Learner:
     def _micro_batch_loss(
         self,
         mb: MicroBatch,
-        n_tokens: int,
-        n_episodes: int,
+        n_tokens: float,
+        n_episodes: float,
         fused_old: bool,
         first_epoch: bool,
         routing: bool,

@@ -16,7 +16,9 @@ reference is added per token, with x_t = log pi_ref(y_t) - log pi(y_t):
     L = sum_t c_t (w_t l_t + kl_coef k_t)  -  entropy_coef * sum_t H_t / N  +  value_coef * sum_t v_t / N
 
 with N the scored tokens of the minibatch and c_t the aggregation weight (`aggregation_weights`, over the
-minibatch's E episodes with n_i scored tokens each):
+minibatch's E episodes with n_i scored tokens each). With learner.equal_groups_in_normaliser, N and E also
+count the all-equal groups dropped from the batch (TRL trains them at advantage 0: their policy terms are 0,
+their tokens and episodes count; rl/learner/sharding.py `plan_step` shares them out over minibatches):
 
     token_mean            c_t = 1 / N
     seq_mean_token_mean   c_t = 1 / (E n_i)
@@ -125,8 +127,8 @@ def aggregation_weights(
     loss_agg: str,
     seq: torch.Tensor,
     seq_tokens: torch.Tensor,
-    n_episodes: int,
-    n_tokens: int,
+    n_episodes: float,
+    n_tokens: float,
     max_tokens: int,
 ) -> torch.Tensor:
     """c_t [M] float64 (formulas above). n_episodes / n_tokens: the minibatch's (over every micro-batch and
@@ -149,7 +151,7 @@ def objective(
     seq: torch.Tensor,
     seq_tokens: torch.Tensor,
     agg_weights: torch.Tensor,
-    n_tokens: int,
+    n_tokens: float,
     *,
     policy: str = "ppo_clip",
     clip_eps_low: float = 0.2,

@@ -65,11 +65,14 @@ def succeeded(traj: Trajectory) -> bool:
 @dataclass
 class Selection:
     """kept: batch indices trained on (sorted); groups: group key -> kept-or-filtered indices whose group
-    survived (the members that define its baseline); counts: exclusions by reason."""
+    survived (the members that define its baseline); counts: exclusions by reason; equal: the members of the
+    all-equal groups dropped in step 3 that step 4 would not filter (what learner.equal_groups_in_normaliser
+    counts in the normalisers)."""
 
     kept: list[int]
     groups: dict[Hashable, list[int]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
+    equal: list[int] = field(default_factory=list)
 
 
 def select(
@@ -111,6 +114,7 @@ def select(
         else:
             counts["no_generated"] += 1
     groups: dict[Hashable, list[int]] = {}
+    equal: list[int] = []
     if grouped:
         members: dict[Hashable, list[int]] = {}
         valid_set = set(valid)
@@ -150,6 +154,7 @@ def select(
             if len(rewards) == 1 and not turn_signal:
                 counts["equal_groups"] += 1
                 counts["equal_group_members"] += len(ok)
+                equal += [i for i in ok if not (overlong_filter and trajs[i].truncated)]
                 continue
             groups[g] = ok
         in_groups = sorted(i for idx in groups.values() for i in idx)
@@ -161,7 +166,7 @@ def select(
             counts["overlong_filtered"] += 1
         else:
             kept.append(i)
-    return Selection(kept=kept, groups=groups, counts=counts)
+    return Selection(kept=kept, groups=groups, counts=counts, equal=sorted(equal))
 
 
 __all__ = ["Selection", "select", "group_key", "baseline_reward", "describe"]

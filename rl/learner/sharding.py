@@ -35,30 +35,43 @@ def split_by_tokens(lengths: Sequence[int], n_parts: int) -> list[list[int]]:
 @dataclass
 class RankPlan:
     """One rank's share of a policy step. minibatches[m]: Sample.index values of this rank in minibatch m
-    (possibly empty); n_tokens[m] / n_episodes[m]: scored tokens / episodes of minibatch m over all ranks."""
+    (possibly empty); n_tokens[m] / n_episodes[m]: the loss normalisers of minibatch m, its scored tokens /
+    episodes over all ranks plus its share of the step's extra ones (`plan_step`)."""
 
     minibatches: list[list[int]]
-    n_tokens: list[int]
-    n_episodes: list[int]
+    n_tokens: list[float]
+    n_episodes: list[float]
 
     def sample_indices(self) -> list[int]:
         return sorted({i for mb in self.minibatches for i in mb})
 
 
-def plan_step(samples: Sequence, num_minibatches: int, world_size: int, seed: int) -> list[RankPlan]:
+def plan_step(
+    samples: Sequence,
+    num_minibatches: int,
+    world_size: int,
+    seed: int,
+    extra_tokens: int = 0,
+    extra_episodes: int = 0,
+) -> list[RankPlan]:
     """Split samples (objects with .index, .n_tokens, .n_scored) into minibatches and ranks (module
     docstring). Returns one RankPlan per rank. Minibatches left empty (fewer samples than minibatches) are
-    dropped."""
+    dropped. extra_tokens / extra_episodes (PreparedBatch's: untrained episodes the normalisers count) are
+    shared out in proportion: minibatch m's N_m = T_m (1 + extra_tokens / T), E_m = S_m (1 + extra_episodes
+    / S), with T_m / S_m its scored tokens / samples and T / S the step's; one minibatch: N = T + extra."""
     order = np.random.default_rng(seed).permutation(len(samples))
     parts = [p for p in np.array_split(order, max(1, num_minibatches)) if p.size]
+    total_tokens = sum(s.n_scored for s in samples)
+    token_scale = 1.0 + extra_tokens / total_tokens if total_tokens else 1.0
+    episode_scale = 1.0 + extra_episodes / len(samples) if samples else 1.0
     plans = [RankPlan([], [], []) for _ in range(world_size)]
     for part in parts:
         mb = [samples[i] for i in part]
         split = split_by_tokens([s.n_tokens for s in mb], world_size)
         for r, idx in enumerate(split):
             plans[r].minibatches.append(sorted(mb[i].index for i in idx))
-            plans[r].n_tokens.append(sum(s.n_scored for s in mb))
-            plans[r].n_episodes.append(len(mb))
+            plans[r].n_tokens.append(sum(s.n_scored for s in mb) * token_scale)
+            plans[r].n_episodes.append(len(mb) * episode_scale)
     return plans
 
 
