@@ -168,3 +168,17 @@ def test_trl_first_child_command_parses_as_a_trl_only_race_of_the_same_cell(tmp_
     for k in ("seed", "variant", "steps", "eval_every", "eval_episodes", "trl_threads", "trl_micro_batch"):
         assert getattr(child, k) == getattr(parent, k), k
     assert ttr.parse_args(["--smoke"]).results == ttr.SMOKE_RESULTS
+
+
+def test_ours_counts_tied_groups_in_its_normaliser_as_trl_does_unless_told_dapo(tmp_path):
+    """--normaliser trl (the default): ours runs the cell with learner.equal_groups_in_normaliser, TRL's
+    dapo normaliser (tests/test_learner_advantages.py: the same loss as TRL's over every group); the cell
+    config carries it, so `fairness` reports it."""
+    args = ttr.parse_args(["--variant", "grpo_pretrained_lora", "--out", str(tmp_path)])
+    assert args.normaliser == "trl"
+    assert ttr.ours_overrides(args) == ["learner.equal_groups_in_normaliser=true"]
+    cfg = ttr.cell_config(4, 2, 8, 0, ttr.ours_overrides(args), args.variant)
+    assert cfg.learner.equal_groups_in_normaliser and cfg.learner.loss_agg == "token_mean"
+    assert any(k.startswith("equal_groups_in_normaliser") and v is True
+               for k, v in ttr.fairness(cfg, 2).items())  # fmt: skip
+    assert ttr.ours_overrides(ttr.parse_args(["--normaliser", "dapo"])) == []
