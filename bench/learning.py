@@ -104,6 +104,9 @@ VARIANTS = {
         "up_proj, down_proj]}",
     ],
 }
+# the same adapters at half the rate: at 5e-4 the policy's entropy collapses within about 15 steps on both
+# trainers of bench/trl_time_to_reward.py, so 20 TRL steps already saturate (docs/hf.md, "Time to reward")
+VARIANTS["grpo_pretrained_lora_half_lr"] = [*VARIANTS["grpo_pretrained_lora"], "learner.lr=2.5e-4"]
 LABELS = {
     "rl": "GRPO",
     "rl_outcome_only": "GRPO\n(outcome only)",
@@ -113,6 +116,7 @@ LABELS = {
     "grpo_pretrained": "GRPO\n(from the instruct model)",
     "ppo_pretrained": "PPO + critic\n(from the instruct model)",
     "grpo_pretrained_lora": "GRPO + LoRA r16\n(from the instruct model)",
+    "grpo_pretrained_lora_half_lr": "GRPO + LoRA r16, lr 2.5e-4\n(from the instruct model)",
 }
 
 

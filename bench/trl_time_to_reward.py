@@ -2,13 +2,14 @@
 scored by our held-out harness -> bench/results/trl_time_to_reward.json.
 
     .venv/bin/python bench/trl_time_to_reward.py [--steps 40] [--eval-every 10] [--eval-episodes 64]
-                     [--order trl-first|odyssey-first] [--variant grpo_pretrained|grpo_pretrained_lora]
+                     [--order trl-first|odyssey-first] [--variant grpo_pretrained|grpo_pretrained_lora|...]
                      [--odyssey-run DIR] [--trl-threads N]
     .venv/bin/python bench/trl_time_to_reward.py --smoke      # TRL only: 2 steps, 4 eval episodes
 
 The cell is bench/learning.py's `smollm2-arith` family, variant `grpo_pretrained` (full fine-tuning) or
-`grpo_pretrained_lora` (LoRA rank 16, alpha 32 on every projection, lr 5e-4, on both sides: ours injects
-peft's LoRA layers, TRL gets the same `peft.LoraConfig` as `peft_config`; TRL's policies are saved merged)
+`grpo_pretrained_lora` (LoRA rank 16, alpha 32 on every projection, lr 5e-4; `grpo_pretrained_lora_half_lr`
+at 2.5e-4; on both sides: ours injects peft's LoRA layers, TRL gets the same `peft.LoraConfig` as
+`peft_config`; TRL's policies are saved merged)
 (configs/smollm2_arith_qa.yaml: dataset-qa on examples/arith_words/arith_words.jsonl, 64 rows held out,
 math-verify, GRPO groups of 8, 32 episodes a step, 128 new tokens, T = 1). The results file holds the latest
 race in full and every race's summary in "runs". With --order trl-first the TRL side runs in a child process
@@ -83,7 +84,7 @@ RESULTS = ROOT / "bench" / "results" / "trl_time_to_reward.json"
 SMOKE_RESULTS = RESULTS.with_name("trl_time_to_reward_smoke.json")  # --smoke writes here, never over a race
 FAMILY, VARIANT = "smollm2-arith", "grpo_pretrained"
 #: bench/learning.py variants of the cell the race can run on both sides (full fine-tuning, LoRA)
-RACE_VARIANTS = ("grpo_pretrained", "grpo_pretrained_lora")
+RACE_VARIANTS = ("grpo_pretrained", "grpo_pretrained_lora", "grpo_pretrained_lora_half_lr")
 #: our learner.loss_agg -> TRL's loss_type with the same token weights (rl/learner/losses.py)
 LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo"}
 

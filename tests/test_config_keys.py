@@ -268,7 +268,8 @@ def progress_lines(cfg: RunConfig) -> int:
 def _batch(kind: str) -> list:
     """Scored trajectories for the small policy. "ragged": groups of single-turn episodes (rewards 0/1/2);
     "turns": two-turn episodes with per-turn rewards, a quarter of them truncated; "shared": ragged, each
-    group's members with one 24-token prompt (ids within the shipped tokenizer, for an HF checkpoint)."""
+    group's members with one 24-token prompt (ids within the shipped tokenizer, for an HF checkpoint); "tied":
+    ragged with its second group's rewards all equal."""
     import numpy as np
 
     from model.tokenizer import load_tokenizer
@@ -276,6 +277,11 @@ def _batch(kind: str) -> list:
 
     if kind == "ragged":
         return ragged_batch(seed=0)
+    if kind == "tied":  # ragged with its second group all-equal (grpo drops it)
+        out = ragged_batch(seed=0)
+        for t in out[4:]:
+            t.rewards = {"total": 1.0}
+        return out
     rng = np.random.default_rng(1)
     if kind == "shared":
         vocab = len(load_tokenizer())
@@ -470,6 +476,9 @@ PROBES |= {
     "learner.entropy_coef": Probe("learner.entropy_coef=0.5", learner_steps(), start=L),
     "learner.loss_agg": Probe("learner.loss_agg=seq_mean_token_sum", learner_steps(), start=L),
     "learner.overlong_filter": Probe("learner.overlong_filter=true", T, start=L),
+    "learner.equal_groups_in_normaliser": Probe(
+        "learner.equal_groups_in_normaliser=true", learner_steps("tied"), start=L
+    ),
     "learner.tis_cap": Probe("learner.tis_cap=null", learner_steps(), start=L),
     "learner.mis_band": Probe("learner.mis_band=[0.5, 2.0]", learner_steps(), start=L),
     "learner.mis_level": Probe(
