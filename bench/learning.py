@@ -106,7 +106,9 @@ VARIANTS = {
 }
 # the same adapters at half the rate: at 5e-4 the policy's entropy collapses within about 15 steps on both
 # trainers of bench/trl_time_to_reward.py, so 20 TRL steps already saturate (docs/hf.md, "Time to reward")
-VARIANTS["grpo_pretrained_lora_half_lr"] = [*VARIANTS["grpo_pretrained_lora"], "learner.lr=2.5e-4"]
+VARIANTS["grpo_pretrained_lora_half_lr"] = [
+    "learner.lr=2.5e-4" if o.startswith("learner.lr=") else o for o in VARIANTS["grpo_pretrained_lora"]
+]
 LABELS = {
     "rl": "GRPO",
     "rl_outcome_only": "GRPO\n(outcome only)",
